@@ -1,0 +1,92 @@
+"""Construction of policy, reference, value and reward models for a given layout.
+
+All four are Megatron `GPTModel`s; value and reward models swap the LM output layer for a
+`ScalarHead`. Under pipeline parallelism (optionally virtual), a rank builds the list of model
+chunks it owns; the head lives on the last stage only.
+"""
+
+from __future__ import annotations
+
+from typing import List, Literal, Optional
+
+import torch
+
+from megatron_rlhf.models.heads import ScalarHead
+from megatron_rlhf.models.spec import ModelConfig, layer_spec, transformer_config
+from megatron_rlhf.parallel.layout import Fp8Config, ParallelConfig
+
+Head = Literal["lm", "scalar"]
+
+
+def build_model_chunk(
+    model: ModelConfig,
+    parallel: ParallelConfig,
+    *,
+    head: Head = "lm",
+    fp8: Optional[Fp8Config] = None,
+    pre_process: bool = True,
+    post_process: bool = True,
+    vp_stage: Optional[int] = None,
+    config=None,
+):
+    """One GPTModel (chunk) for this rank. `config` defaults to `transformer_config(model, parallel, fp8)`."""
+    from megatron.core import parallel_state
+    from megatron.core.models.gpt import GPTModel
+
+    config = config or transformer_config(model, parallel, fp8)
+    rope = model.rope_scaling or {}
+    scalar = head == "scalar"
+    gpt = GPTModel(
+        config=config,
+        transformer_layer_spec=layer_spec(),
+        vocab_size=model.padded_vocab_size(parallel.tp),
+        max_sequence_length=model.max_position_embeddings,
+        pre_process=pre_process,
+        post_process=post_process,
+        parallel_output=True,
+        share_embeddings_and_output_weights=model.tie_embeddings and not scalar,
+        position_embedding_type="rope",
+        rotary_base=model.rotary_base,
+        rope_scaling=rope.get("type") == "llama3",
+        rope_scaling_factor=rope.get("factor", 8.0),
+        seq_len_interpolation_factor=rope["factor"] if rope.get("type") == "linear" else None,
+        vp_stage=vp_stage,
+    )
+    if scalar and post_process:
+        gpt.output_layer = ScalarHead(
+            config, model.hidden_size, tp_group=parallel_state.get_tensor_model_parallel_group()
+        )
+    return gpt
+
+
+def build_model(
+    model: ModelConfig,
+    parallel: ParallelConfig,
+    *,
+    head: Head = "lm",
+    fp8: Optional[Fp8Config] = None,
+) -> List[torch.nn.Module]:
+    """The model chunks this rank owns (one per virtual pipeline stage; a list of one without VPP).
+
+    Requires `parallel.init.initialize(...)` to have run (process groups and RNG seeds).
+    """
+    from megatron.core import parallel_state
+
+    config = transformer_config(model, parallel, fp8)
+    vpp = parallel.vpp or 1
+    chunks = []
+    for vp_stage in range(vpp):
+        stage_kwargs = {"vp_stage": vp_stage if parallel.vpp else None}
+        chunks.append(
+            build_model_chunk(
+                model,
+                parallel,
+                head=head,
+                fp8=fp8,
+                pre_process=parallel_state.is_pipeline_first_stage(ignore_virtual=False, **stage_kwargs),
+                post_process=parallel_state.is_pipeline_last_stage(ignore_virtual=False, **stage_kwargs),
+                config=config,
+                **stage_kwargs,
+            )
+        )
+    return chunks

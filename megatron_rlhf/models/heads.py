@@ -1,0 +1,33 @@
+"""Scalar head for value and reward models.
+
+It takes the place of the LM output layer on the last pipeline stage, so a value/reward model is a
+`GPTModel` whose forward returns [batch, seq, 1] scores instead of vocab logits. The head weight
+is named `output_layer.weight` ([1, hidden]), which is what HF sequence classifiers call
+`score.weight`.
+"""
+
+from __future__ import annotations
+
+import torch
+from megatron.core.tensor_parallel import gather_from_sequence_parallel_region
+from megatron.core.transformer.module import MegatronModule
+
+
+class ScalarHead(MegatronModule):
+    """hidden [s, b, h] -> score [s, b, 1]; replicated on every TP rank (it is tiny)."""
+
+    def __init__(self, config, hidden_size: int, tp_group=None):
+        super().__init__(config=config)
+        self.weight = torch.nn.Parameter(torch.empty(1, hidden_size, dtype=config.params_dtype))
+        # Zero init: a fresh head predicts 0, which is the right prior for values and normalised scores.
+        torch.nn.init.zeros_(self.weight)
+        self.sequence_parallel = config.sequence_parallel
+        self.tp_group = tp_group
+        # The same weight lives on every TP rank and sees the same (gathered) input, so its
+        # gradients agree across TP ranks without an all-reduce.
+        setattr(self.weight, "allreduce", True)
+
+    def forward(self, hidden_states, weight=None, runtime_gather_output=None):
+        if self.sequence_parallel:
+            hidden_states = gather_from_sequence_parallel_region(hidden_states, group=self.tp_group)
+        return torch.matmul(hidden_states, self.weight.t()), None

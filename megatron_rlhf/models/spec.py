@@ -1,0 +1,233 @@
+"""Model description: HF `config.json` -> `ModelConfig` -> Megatron `TransformerConfig` + layer spec.
+
+Llama-family decoders only (Llama, Mistral, Qwen2): RMSNorm, SwiGLU, RoPE, GQA, optional QKV bias,
+tied or untied embeddings. The Transformer Engine layer spec is used when TE and CUDA are present
+(FP8 settings pass through), the local spec otherwise.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib.util
+from dataclasses import dataclass, field
+from typing import Any, Mapping, Optional
+
+import torch
+
+from megatron_rlhf.parallel.layout import Fp8Config, ParallelConfig
+
+SUPPORTED_ARCHITECTURES = {
+    # HF architecture name -> (family, head)   head: "lm" or "score" (sequence classification)
+    "LlamaForCausalLM": ("llama", "lm"),
+    "MistralForCausalLM": ("mistral", "lm"),
+    "Qwen2ForCausalLM": ("qwen2", "lm"),
+    "LlamaForSequenceClassification": ("llama", "score"),
+    "MistralForSequenceClassification": ("mistral", "score"),
+    "Qwen2ForSequenceClassification": ("qwen2", "score"),
+}
+MODEL_TYPES = {"llama": "llama", "mistral": "mistral", "qwen2": "qwen2"}
+
+
+class UnsupportedModelError(ValueError):
+    """The HF checkpoint is not a Llama-family model this project supports."""
+
+
+@dataclass
+class ModelConfig:
+    """Architecture of a Llama-family decoder, independent of parallel layout."""
+
+    num_layers: int = 2
+    hidden_size: int = 64
+    ffn_hidden_size: int = 128
+    num_attention_heads: int = 4
+    num_query_groups: int = 4
+    kv_channels: Optional[int] = None  # head dim; None = hidden_size / num_attention_heads
+    vocab_size: int = 32
+    max_position_embeddings: int = 512
+    rotary_base: float = 10000.0
+    rope_scaling: Optional[dict] = None  # {"type": "llama3"|"linear", "factor": float, ...}
+    norm_epsilon: float = 1e-5
+    add_qkv_bias: bool = False
+    tie_embeddings: bool = False
+    init_method_std: float = 0.02
+    sliding_window: Optional[int] = None
+    family: str = "llama"  # llama | mistral | qwen2: decides HF names on export
+    make_vocab_size_divisible_by: int = 1  # pad the vocab so each TP shard has an equal slice
+    params_dtype: str = "float32"  # float32 | bfloat16 | float16
+
+    @property
+    def head_dim(self) -> int:
+        return self.kv_channels or self.hidden_size // self.num_attention_heads
+
+    def padded_vocab_size(self, tp: int) -> int:
+        multiple = self.make_vocab_size_divisible_by * tp
+        return -(-self.vocab_size // multiple) * multiple
+
+    def torch_dtype(self) -> torch.dtype:
+        return {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[
+            self.params_dtype
+        ]
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+
+def _rope_settings(hf: Mapping[str, Any]) -> tuple[float, Optional[dict]]:
+    """rope theta and scaling from both transformers<5 (rope_theta/rope_scaling) and >=5 (rope_parameters)."""
+    params = dict(hf.get("rope_parameters") or {})
+    theta = params.get("rope_theta", hf.get("rope_theta", 10000.0))
+    scaling = hf.get("rope_scaling") or None
+    if params.get("rope_type", "default") != "default":
+        scaling = params
+    if scaling is None:
+        return float(theta), None
+    kind = scaling.get("rope_type", scaling.get("type"))
+    if kind in (None, "default"):
+        return float(theta), None
+    if kind == "llama3":
+        # Megatron-Core 0.16.1 applies llama3 scaling with fixed low/high freq factors and 8192
+        # original positions: refuse anything else instead of silently computing other frequencies.
+        fixed = {"low_freq_factor": 1.0, "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}
+        for k, v in fixed.items():
+            if k in scaling and float(scaling[k]) != v:
+                raise UnsupportedModelError(
+                    f"rope_scaling {k}={scaling[k]} is not supported (megatron-core 0.16.1 fixes it to {v})"
+                )
+        return float(theta), {"type": "llama3", "factor": float(scaling.get("factor", 8.0))}
+    if kind == "linear":
+        return float(theta), {"type": "linear", "factor": float(scaling["factor"])}
+    raise UnsupportedModelError(f"rope scaling type {kind!r} is not supported: use default, linear or llama3")
+
+
+def model_config_from_hf(hf_config: Any) -> tuple[ModelConfig, str]:
+    """Derive a `ModelConfig` from an HF config (dict from config.json or a PretrainedConfig).
+
+    Returns (config, head) where head is "lm" for causal LMs and "score" for sequence classifiers.
+    """
+    hf = hf_config if isinstance(hf_config, Mapping) else hf_config.to_dict()
+    archs = hf.get("architectures") or []
+    if archs:
+        arch = archs[0]
+        if arch not in SUPPORTED_ARCHITECTURES:
+            raise UnsupportedModelError(
+                f"unsupported architecture {arch!r}: supported are {', '.join(sorted(SUPPORTED_ARCHITECTURES))}"
+            )
+        family, head = SUPPORTED_ARCHITECTURES[arch]
+    else:
+        model_type = hf.get("model_type")
+        if model_type not in MODEL_TYPES:
+            raise UnsupportedModelError(
+                f"unsupported model_type {model_type!r}: supported are {', '.join(sorted(MODEL_TYPES))}"
+            )
+        family, head = MODEL_TYPES[model_type], "lm"
+    if hf.get("hidden_act", "silu") != "silu":
+        raise UnsupportedModelError(f"hidden_act={hf.get('hidden_act')!r} is not supported: only silu (SwiGLU)")
+    if hf.get("mlp_bias"):
+        raise UnsupportedModelError("mlp_bias=true is not supported")
+    theta, scaling = _rope_settings(hf)
+    heads = hf["num_attention_heads"]
+    # Qwen2 always has QKV bias; Llama/Mistral only when attention_bias is set.
+    qkv_bias = True if family == "qwen2" else bool(hf.get("attention_bias", False))
+    sliding = hf.get("sliding_window")
+    if family == "qwen2" and not hf.get("use_sliding_window", False):
+        sliding = None
+    dtype = str(hf.get("torch_dtype") or hf.get("dtype") or "float32").replace("torch.", "")
+    cfg = ModelConfig(
+        num_layers=hf["num_hidden_layers"],
+        hidden_size=hf["hidden_size"],
+        ffn_hidden_size=hf["intermediate_size"],
+        num_attention_heads=heads,
+        num_query_groups=hf.get("num_key_value_heads") or heads,
+        kv_channels=hf.get("head_dim") or None,
+        vocab_size=hf["vocab_size"],
+        max_position_embeddings=hf.get("max_position_embeddings", 2048),
+        rotary_base=theta,
+        rope_scaling=scaling,
+        norm_epsilon=hf.get("rms_norm_eps", 1e-6),
+        add_qkv_bias=qkv_bias,
+        tie_embeddings=bool(hf.get("tie_word_embeddings", False)),
+        init_method_std=hf.get("initializer_range", 0.02),
+        sliding_window=sliding,
+        family=family,
+        params_dtype=dtype if dtype in ("float32", "bfloat16", "float16") else "float32",
+    )
+    return cfg, head
+
+
+def transformer_engine_available() -> bool:
+    """TE is usable only when it is installed and CUDA is present."""
+    return torch.cuda.is_available() and importlib.util.find_spec("transformer_engine") is not None
+
+
+def use_te_spec() -> bool:
+    return transformer_engine_available()
+
+
+def layer_spec(te: Optional[bool] = None):
+    """Megatron ModuleSpec for one decoder layer: TE-fused on GPU with TE, local modules otherwise."""
+    from megatron.core.models.gpt import gpt_layer_specs
+
+    if use_te_spec() if te is None else te:
+        return gpt_layer_specs.get_gpt_layer_with_transformer_engine_spec()
+    return gpt_layer_specs.get_gpt_layer_local_spec(normalization="RMSNorm")
+
+
+def transformer_config(
+    model: ModelConfig,
+    parallel: ParallelConfig,
+    fp8: Optional[Fp8Config] = None,
+    **overrides: Any,
+):
+    """Megatron `TransformerConfig` for `model` under `parallel`. Dropout is off (RLHF convention)."""
+    import torch.nn.functional as F
+    from megatron.core.transformer import TransformerConfig
+
+    on_gpu = torch.cuda.is_available()
+    dtype = model.torch_dtype()
+    kwargs: dict[str, Any] = dict(
+        num_layers=model.num_layers,
+        hidden_size=model.hidden_size,
+        ffn_hidden_size=model.ffn_hidden_size,
+        num_attention_heads=model.num_attention_heads,
+        num_query_groups=model.num_query_groups,
+        kv_channels=model.head_dim,
+        layernorm_epsilon=model.norm_epsilon,
+        normalization="RMSNorm",
+        gated_linear_unit=True,
+        activation_func=F.silu,
+        add_bias_linear=False,
+        add_qkv_bias=model.add_qkv_bias,
+        hidden_dropout=0.0,
+        attention_dropout=0.0,
+        init_method_std=model.init_method_std,
+        params_dtype=dtype,
+        pipeline_dtype=dtype,
+        bf16=dtype == torch.bfloat16,
+        fp16=dtype == torch.float16,
+        tensor_model_parallel_size=parallel.tp,
+        pipeline_model_parallel_size=parallel.pp,
+        virtual_pipeline_model_parallel_size=parallel.vpp,
+        context_parallel_size=parallel.cp,
+        sequence_parallel=parallel.sequence_parallel,
+        use_cpu_initialization=not on_gpu,
+        perform_initialization=True,
+        gradient_accumulation_fusion=False,
+        bias_activation_fusion=on_gpu,
+        masked_softmax_fusion=on_gpu,
+        persist_layer_norm=on_gpu,
+        apply_rope_fusion=False,
+        bias_dropout_fusion=on_gpu,
+        deallocate_pipeline_outputs=False,
+    )
+    if fp8 is not None and fp8.format is not None:
+        kwargs.update(
+            fp8=fp8.format,
+            fp8_recipe=fp8.recipe,
+            fp8_margin=fp8.margin,
+            fp8_amax_history_len=fp8.amax_history_len,
+            fp8_amax_compute_algo=fp8.amax_compute_algo,
+        )
+    if model.sliding_window is not None and model.sliding_window < model.max_position_embeddings:
+        kwargs["window_size"] = (model.sliding_window - 1, 0)
+    kwargs.update(overrides)
+    return TransformerConfig(**kwargs)

@@ -1,0 +1,102 @@
+"""torch.distributed + Megatron `parallel_state` initialisation from torchrun or Slurm environments.
+
+One SPMD program: every rank calls `initialize(parallel, ...)` with the same validated layout.
+Backend is nccl with CUDA and gloo without; the CPU layer (`parallel/cpu.py`) is switched on
+when CUDA is absent.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+from dataclasses import dataclass
+from typing import Mapping, Optional
+
+import torch
+
+from megatron_rlhf.parallel import cpu
+from megatron_rlhf.parallel.layout import ParallelConfig
+
+
+@dataclass(frozen=True)
+class DistEnv:
+    rank: int
+    world_size: int
+    local_rank: int
+    master_addr: str
+    master_port: int
+
+
+def dist_env(environ: Optional[Mapping[str, str]] = None) -> DistEnv:
+    """Rank layout from torchrun (RANK/WORLD_SIZE/LOCAL_RANK) or srun (SLURM_PROCID/NTASKS/LOCALID).
+
+    torchrun's variables win when both are present (torchrun inside an srun allocation). A plain
+    `python script.py` is a world of one.
+    """
+    env = os.environ if environ is None else environ
+    if "RANK" in env and "WORLD_SIZE" in env:
+        rank, world, local = int(env["RANK"]), int(env["WORLD_SIZE"]), int(env.get("LOCAL_RANK", 0))
+    elif "SLURM_PROCID" in env and "SLURM_NTASKS" in env:
+        rank, world = int(env["SLURM_PROCID"]), int(env["SLURM_NTASKS"])
+        local = int(env.get("SLURM_LOCALID", 0))
+    else:
+        rank, world, local = 0, 1, 0
+    addr = env.get("MASTER_ADDR", "127.0.0.1")
+    port = int(env.get("MASTER_PORT", 29500))
+    return DistEnv(rank, world, local, addr, port)
+
+
+def world_size_from_env() -> int:
+    if torch.distributed.is_available() and torch.distributed.is_initialized():
+        return torch.distributed.get_world_size()
+    return dist_env().world_size
+
+
+def init_process_group(timeout_s: int = 600) -> DistEnv:
+    """Start torch.distributed (once); nccl with CUDA, gloo otherwise."""
+    cpu.enable()
+    env = dist_env()
+    if torch.distributed.is_initialized():
+        return env
+    backend = "nccl" if torch.cuda.is_available() else "gloo"
+    if torch.cuda.is_available():
+        torch.cuda.set_device(env.local_rank)
+    torch.distributed.init_process_group(
+        backend=backend,
+        init_method=f"tcp://{env.master_addr}:{env.master_port}",
+        rank=env.rank,
+        world_size=env.world_size,
+        timeout=datetime.timedelta(seconds=timeout_s),
+    )
+    return env
+
+
+def initialize(parallel: ParallelConfig, seed: int = 1234) -> DistEnv:
+    """Process group, Megatron model-parallel groups and RNG seeds for a validated layout.
+
+    Call `layout.validate_layout` before this so a bad layout fails before any work.
+    """
+    from megatron.core import parallel_state
+    from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
+
+    env = init_process_group()
+    if parallel_state.model_parallel_is_initialized():
+        parallel_state.destroy_model_parallel()
+    parallel_state.initialize_model_parallel(
+        tensor_model_parallel_size=parallel.tp,
+        pipeline_model_parallel_size=parallel.pp,
+        virtual_pipeline_model_parallel_size=parallel.vpp,
+        context_parallel_size=parallel.cp,
+    )
+    torch.manual_seed(seed)
+    model_parallel_cuda_manual_seed(seed)
+    return env
+
+
+def destroy() -> None:
+    from megatron.core import parallel_state
+
+    if parallel_state.model_parallel_is_initialized():
+        parallel_state.destroy_model_parallel()
+    if torch.distributed.is_initialized():
+        torch.distributed.destroy_process_group()

@@ -1,0 +1,30 @@
+from setuptools import find_packages, setup
+
+setup(
+    name="megatron_rlhf",
+    version="0.1.0",
+    description="RLHF with PPO (SFT -> Bradley-Terry reward model -> PPO) on Megatron-Core",
+    packages=find_packages(include=["megatron_rlhf", "megatron_rlhf.*"]),
+    python_requires=">=3.10",
+    install_requires=[
+        "megatron-core==0.16.1",
+        # Not pinned here: on the CPU dev/CI machines the README installs torch==2.13.0 (CPU build).
+        "torch>=2.4",
+        "transformers>=4.45",
+        "safetensors",
+        "tokenizers",
+        "datasets",
+        "tensorboard",
+        "omegaconf>=2.3",
+        "tqdm",
+        "psutil",  # megatron's dist_checkpointing needs it; a missing one hangs the other ranks
+    ],
+    extras_require={
+        "test": ["pytest", "hypothesis", "transformers", "safetensors"],
+        # GPU-only paths, imported lazily. NVIDIA Apex is used when importable (NGC containers);
+        # the registry package named "apex" is unrelated and must never be a dependency.
+        "gpu": ["transformer-engine[pytorch]", "vllm"],
+        "slurm": ["nemo-run"],
+    },
+    entry_points={"console_scripts": ["megatron-rlhf=megatron_rlhf.cli:main"]},
+)

@@ -1,0 +1,7 @@
+import os
+import sys
+
+# Tests import the package from the checkout and never need CUDA.
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+if ROOT not in sys.path:
+    sys.path.insert(0, ROOT)
