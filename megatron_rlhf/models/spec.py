@@ -14,6 +14,7 @@ from typing import Any, Mapping, Optional
 
 import torch
 
+from megatron_rlhf.parallel import cpu
 from megatron_rlhf.parallel.layout import Fp8Config, ParallelConfig
 
 SUPPORTED_ARCHITECTURES = {
@@ -182,7 +183,6 @@ def transformer_config(
     import torch.nn.functional as F
     from megatron.core.transformer import TransformerConfig
 
-    on_gpu = torch.cuda.is_available()
     dtype = model.torch_dtype()
     kwargs: dict[str, Any] = dict(
         num_layers=model.num_layers,
@@ -209,16 +209,12 @@ def transformer_config(
         virtual_pipeline_model_parallel_size=parallel.vpp,
         context_parallel_size=parallel.cp,
         sequence_parallel=parallel.sequence_parallel,
-        use_cpu_initialization=not on_gpu,
         perform_initialization=True,
         gradient_accumulation_fusion=False,
-        bias_activation_fusion=on_gpu,
-        masked_softmax_fusion=on_gpu,
-        persist_layer_norm=on_gpu,
         apply_rope_fusion=False,
-        bias_dropout_fusion=on_gpu,
         deallocate_pipeline_outputs=False,
     )
+    kwargs.update(cpu.transformer_config_overrides())
     if fp8 is not None and fp8.format is not None:
         kwargs.update(
             fp8=fp8.format,

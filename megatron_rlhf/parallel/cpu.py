@@ -7,7 +7,9 @@ CUDA is available; otherwise it neutralises exactly these CUDA assumptions (each
 1. Hard-coded ``device="cuda"``, ``torch.cuda.current_device()`` and ``.cuda()`` (RoPE ``inv_freq``,
    attention's global memory buffer, causal masks, pipeline token counters, the optimizer's loss
    scale): a global ``TorchFunctionMode`` rewrites CUDA device arguments to CPU, ``Tensor.cuda``
-   becomes a no-op, and ``torch.cuda.current_device()`` returns ``"cpu"``.
+   becomes a no-op, and ``torch.cuda.current_device()`` returns ``"cpu"``. The same mode makes
+   ``Tensor.type()`` report ``torch.cuda.*Tensor`` names, because the (distributed) optimizers
+   reject parameters whose type string is not a CUDA one.
 2. The RNG tracker: ``torch.cuda.{get,set}_rng_state/manual_seed`` and Megatron's
    ``_get_cuda_rng_state/_set_cuda_rng_state`` use the CPU generator, so
    ``model_parallel_cuda_manual_seed`` (still required before building a model) and
@@ -15,7 +17,10 @@ CUDA is available; otherwise it neutralises exactly these CUDA assumptions (each
 3. ``torch.cuda.synchronize`` (and stream helpers used by the resharding copy service) are no-ops.
 4. ``clip_grad_by_total_norm_fp32`` asserts CUDA gradients: replaced by a CPU version that scales
    the gradients in place by the same rule, so gradient clipping still works.
-5. ``dist_checkpointing`` needs ``psutil`` (checked here, because a missing one hangs the other rank)
+5. Model settings (`transformer_config_overrides`): CPU initialisation, no fused CUDA kernels, and
+   unbatched pipeline send/recv (batched isend/irecv on gloo races in the interleaved schedule:
+   later microbatches read wrong activations).
+6. ``dist_checkpointing`` needs ``psutil`` (checked here, because a missing one hangs the other rank)
    and starts a ``spawn`` manager: entry points must be import-safe (``if __name__ == "__main__"``).
 
 The layer is checked against the installed megatron-core version and refuses any other one,
@@ -55,6 +60,10 @@ class _CudaToCpuMode(TorchFunctionMode):
         kwargs = kwargs or {}
         if func is torch.Tensor.cuda:
             return args[0]
+        if func is torch.Tensor.type and len(args) == 1 and not kwargs:
+            # megatron's optimizers dispatch on 'torch.cuda.FloatTensor'-style names.
+            name = func(*args)
+            return name.replace("torch.", "torch.cuda.", 1) if not name.startswith("torch.cuda.") else name
         if "device" in kwargs and _is_cuda_device(kwargs["device"]):
             kwargs = dict(kwargs, device="cpu")
         if func in (torch.Tensor.to,) and args[1:] and _is_cuda_device(args[1]):
@@ -79,6 +88,22 @@ class _NullStream:
 
     def record_event(self, event=None):
         return None
+
+
+def transformer_config_overrides() -> dict:
+    """TransformerConfig settings that differ on CPU (see item 5 of the module docstring); {} on GPU."""
+    if cuda_available():
+        return {}
+    return dict(
+        use_cpu_initialization=True,
+        gradient_accumulation_fusion=False,
+        bias_activation_fusion=False,
+        masked_softmax_fusion=False,
+        persist_layer_norm=False,
+        bias_dropout_fusion=False,
+        apply_rope_fusion=False,
+        batch_p2p_comm=False,
+    )
 
 
 def _clip_grad_by_total_norm_cpu(parameters, max_norm, total_norm, use_decoupled_grad=False):

@@ -1,0 +1,104 @@
+"""Trainable model = Megatron DDP-wrapped chunks + Megatron optimizer + LR/WD scheduler.
+
+Losses are normalised once, globally: model configs use `calculate_per_token_loss`, so loss
+functions return token SUMS with their token counts; Megatron's `finalize_model_grads` all-reduces
+the total count over data-parallel ranks and divides the gradients by it. Results therefore do not
+depend on DP size or on how the batch is cut into microbatches.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from functools import partial
+from typing import List, Optional
+
+import torch
+
+
+@dataclass
+class OptimConfig:
+    lr: float = 1e-4
+    min_lr: float = 0.0
+    warmup_steps: int = 0
+    decay_steps: Optional[int] = None  # None: constant after warm-up
+    decay_style: str = "constant"  # constant | linear | cosine
+    weight_decay: float = 0.0
+    adam_beta1: float = 0.9
+    adam_beta2: float = 0.95
+    adam_eps: float = 1e-8
+    clip_grad: float = 1.0
+
+
+def wrap_ddp(chunks: List[torch.nn.Module], use_distributed_optimizer: bool) -> List[torch.nn.Module]:
+    """Megatron DDP around each chunk, with per-token loss normalisation switched on."""
+    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+
+    ddp_config = DistributedDataParallelConfig(
+        grad_reduce_in_fp32=True,
+        overlap_grad_reduce=False,
+        use_distributed_optimizer=use_distributed_optimizer,
+        check_for_nan_in_grad=True,
+    )
+    wrapped = []
+    for i, chunk in enumerate(chunks):
+        chunk.config.calculate_per_token_loss = True
+        wrapped.append(
+            DistributedDataParallel(
+                config=chunk.config,
+                ddp_config=ddp_config,
+                module=chunk,
+                # Only the first chunk uses buckets smaller than the whole model (megatron's rule for VPP).
+                disable_bucketing=i > 0,
+            )
+        )
+    return wrapped
+
+
+def build_optimizer(chunks: List[torch.nn.Module], cfg: OptimConfig, use_distributed_optimizer: bool):
+    """Megatron Adam (distributed optimizer if asked) + OptimizerParamScheduler; wires the schedule hooks."""
+    from megatron.core.distributed import finalize_model_grads
+    from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+    from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
+
+    tconf = chunks[0].config
+    opt_config = OptimizerConfig(
+        optimizer="adam",
+        lr=cfg.lr,
+        min_lr=cfg.min_lr,
+        weight_decay=cfg.weight_decay,
+        adam_beta1=cfg.adam_beta1,
+        adam_beta2=cfg.adam_beta2,
+        adam_eps=cfg.adam_eps,
+        clip_grad=cfg.clip_grad,
+        bf16=tconf.bf16,
+        fp16=tconf.fp16,
+        params_dtype=tconf.params_dtype,
+        use_distributed_optimizer=use_distributed_optimizer,
+    )
+    optimizer = get_megatron_optimizer(opt_config, chunks)
+    decay_steps = cfg.decay_steps if cfg.decay_steps else max(cfg.warmup_steps + 1, 1)
+    scheduler = OptimizerParamScheduler(
+        optimizer,
+        init_lr=0.0 if cfg.warmup_steps > 0 else cfg.lr,
+        max_lr=cfg.lr,
+        min_lr=cfg.min_lr if cfg.decay_style != "constant" else cfg.lr,
+        lr_warmup_steps=cfg.warmup_steps,
+        lr_decay_steps=max(decay_steps, cfg.warmup_steps + 1),
+        lr_decay_style=cfg.decay_style,
+        start_wd=cfg.weight_decay,
+        end_wd=cfg.weight_decay,
+        wd_incr_steps=1,
+        wd_incr_style="constant",
+    )
+    for chunk in chunks:
+        c = chunk.config
+        c.finalize_model_grads_func = finalize_model_grads
+        c.grad_scale_func = optimizer.scale_loss
+        c.no_sync_func = [m.no_sync for m in chunks] if len(chunks) > 1 else chunks[0].no_sync
+        if use_distributed_optimizer:
+            c.param_sync_func = None  # params are gathered at the end of optimizer.step()
+    return optimizer, scheduler
+
+
+def current_lr(optimizer) -> float:
+    return optimizer.param_groups[0]["lr"]

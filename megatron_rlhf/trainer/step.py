@@ -1,0 +1,128 @@
+"""Megatron `forward_step -> (output, loss_func)` adapters and one optimizer step through the schedule.
+
+A loss function here has the signature `loss_fn(output, batch) -> (loss_sum, num_tokens, stats)`
+where `stats` maps names to `(sum, count)` pairs of detached tensors. Sums are reduced over
+microbatches and data-parallel ranks, then divided once (see trainer/optim.py).
+"""
+
+from __future__ import annotations
+
+from typing import Callable, Dict, Iterable, List, Tuple
+
+import torch
+
+Batch = Dict[str, torch.Tensor]
+LossFn = Callable[[torch.Tensor, Batch], Tuple[torch.Tensor, torch.Tensor, Dict[str, Tuple[torch.Tensor, torch.Tensor]]]]
+
+
+def position_ids_for(input_ids: torch.Tensor) -> torch.Tensor:
+    """[b, s] -> [b, s] positions 0..s-1 (right padding keeps real tokens at their true positions)."""
+    b, s = input_ids.shape
+    return torch.arange(s, device=input_ids.device).unsqueeze(0).expand(b, s)
+
+
+def make_forward_step(loss_fn: LossFn, model_kwargs: Callable[[Batch], dict] | None = None):
+    """Build the `forward_step(data_iterator, model)` that Megatron's pipeline schedules call.
+
+    `model_kwargs(batch)` adds keyword arguments to the model call (e.g. `labels`).
+    """
+
+    def forward_step(data_iterator, model):
+        batch = next(data_iterator)
+        input_ids = batch["input_ids"]
+        extra = model_kwargs(batch) if model_kwargs else {}
+        output = model(input_ids, batch.get("position_ids", position_ids_for(input_ids)), None, **extra)
+
+        def loss_func(output_tensor):
+            loss_sum, num_tokens, stats = loss_fn(output_tensor, batch)
+            # Copies: the schedule may rescale the loss tensor in place. Reduced in `reduce_stats`.
+            stats = {k: (s.detach().clone(), c.detach().clone()) for k, (s, c) in stats.items()}
+            return loss_sum, num_tokens.to(torch.int), stats
+
+        return output, loss_func
+
+    return forward_step
+
+
+def reduce_stats(per_microbatch: List[dict]) -> Dict[str, float]:
+    """Sum `(sum, count)` stats over microbatches and DP ranks; every rank gets the means.
+
+    Only the last pipeline stage has loss outputs; the result is broadcast along the pipeline.
+    """
+    from megatron.core import parallel_state as ps
+
+    names = sorted(per_microbatch[0]) if per_microbatch else []
+    # Every rank needs the same names: agree on them over the pipeline group first.
+    pp_group = ps.get_pipeline_model_parallel_group()
+    last = ps.get_pipeline_model_parallel_last_rank()
+    names_box = [names]
+    torch.distributed.broadcast_object_list(names_box, src=last, group=pp_group)
+    names = names_box[0]
+    if not names:
+        return {}
+    buf = torch.zeros(len(names), 2, dtype=torch.float64)
+    for mb in per_microbatch:
+        for i, n in enumerate(names):
+            s, c = mb[n]
+            buf[i, 0] += s.detach().double().sum()
+            buf[i, 1] += c.detach().double().sum()
+    if ps.is_pipeline_last_stage(ignore_virtual=True):
+        torch.distributed.all_reduce(buf, group=ps.get_data_parallel_group(with_context_parallel=True))
+    torch.distributed.broadcast(buf, src=last, group=pp_group)
+    return {n: (buf[i, 0] / buf[i, 1].clamp(min=1)).item() for i, n in enumerate(names)}
+
+
+def run_schedule(
+    chunks: List[torch.nn.Module],
+    microbatches: List[Batch],
+    forward_step,
+    *,
+    forward_only: bool = False,
+) -> List[dict]:
+    """Run Megatron's schedule (no pipelining, 1F1B or interleaved) over `microbatches`.
+
+    Every rank of a model-parallel group passes the same microbatches; each model chunk reads them
+    through its own iterator, as the interleaved schedule expects.
+    """
+    from megatron.core.pipeline_parallel import get_forward_backward_func
+
+    mb0 = microbatches[0]["input_ids"]
+    seq_len = max(mb["input_ids"].shape[1] for mb in microbatches)
+    if any(mb["input_ids"].shape[1] != seq_len for mb in microbatches) and _pp_size() > 1:
+        raise ValueError("pipeline parallelism needs every microbatch padded to the same sequence length")
+    iterators = [iter(microbatches) for _ in chunks]
+    return get_forward_backward_func()(
+        forward_step_func=forward_step,
+        data_iterator=iterators if len(chunks) > 1 else iterators[0],
+        model=chunks if len(chunks) > 1 else chunks[0],
+        num_microbatches=len(microbatches),
+        seq_length=seq_len,
+        micro_batch_size=mb0.shape[0],
+        forward_only=forward_only,
+    )
+
+
+def _pp_size() -> int:
+    from megatron.core import parallel_state as ps
+
+    return ps.get_pipeline_model_parallel_world_size()
+
+
+def train_step(chunks, optimizer, scheduler, microbatches: Iterable[Batch], forward_step) -> Dict[str, float]:
+    """Zero grads, forward/backward over all microbatches, optimizer step, scheduler step.
+
+    Returns reduced stats plus `grad_norm`, `lr` and `skipped` (1.0 if the step was skipped).
+    """
+    microbatches = list(microbatches)
+    for chunk in chunks:
+        chunk.zero_grad_buffer()
+    optimizer.zero_grad()
+    outputs = run_schedule(chunks, microbatches, forward_step)
+    ok, grad_norm, _ = optimizer.step()
+    if ok:
+        scheduler.step(increment=1)
+    stats = reduce_stats(outputs)
+    stats["grad_norm"] = float(grad_norm) if grad_norm is not None else 0.0
+    stats["lr"] = optimizer.param_groups[0]["lr"]
+    stats["skipped"] = 0.0 if ok else 1.0
+    return stats
