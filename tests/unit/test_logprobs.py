@@ -1,0 +1,70 @@
+"""models/logprobs.py on one rank (TP=1) against torch's log_softmax; gradients by gradcheck.
+
+TP=2 against TP=1 is tests/distributed/test_algo_distributed.py.
+"""
+
+import pytest
+import torch
+
+from megatron_rlhf.models.logprobs import token_entropy, token_logprobs
+
+
+def _logits(seed=0, b=2, s=5, v=11, dtype=torch.float64):
+    g = torch.Generator().manual_seed(seed)
+    logits = torch.randn(b, s, v, generator=g, dtype=dtype) * 3
+    labels = torch.randint(0, v, (b, s), generator=g)
+    return logits, labels
+
+
+def test_matches_log_softmax_and_entropy():
+    logits, labels = _logits()
+    ref = torch.log_softmax(logits, -1)
+    assert torch.allclose(token_logprobs(logits, labels).double(), ref.gather(-1, labels[..., None])[..., 0], atol=1e-6)
+    ref_h = -(ref.exp() * ref).sum(-1)
+    assert torch.allclose(token_entropy(logits).double(), ref_h, atol=1e-6)
+
+
+def test_vocab_padding_is_excluded():
+    true_vocab = 8
+    logits, labels = _logits(1, v=11)
+    labels = labels % true_vocab
+    ref = torch.log_softmax(logits[..., :true_vocab], -1)
+    lp = token_logprobs(logits, labels, vocab_size=true_vocab)
+    assert torch.allclose(lp.double(), ref.gather(-1, labels[..., None])[..., 0], atol=1e-6)
+    h = token_entropy(logits, vocab_size=true_vocab)
+    assert torch.isfinite(h).all()
+    assert torch.allclose(h.double(), -(ref.exp() * ref).sum(-1), atol=1e-6)
+
+
+def test_temperature():
+    logits, labels = _logits(2)
+    ref = torch.log_softmax(logits / 0.7, -1)
+    assert torch.allclose(
+        token_logprobs(logits, labels, temperature=0.7).double(), ref.gather(-1, labels[..., None])[..., 0], atol=1e-6
+    )
+
+
+@pytest.mark.parametrize("vocab_size", [None, 9])
+def test_gradients(vocab_size):
+    logits, labels = _logits(3, b=2, s=3, v=11)
+    labels = labels % 9
+    logits.requires_grad_(True)
+    torch.autograd.gradcheck(lambda x: token_logprobs(x, labels, vocab_size=vocab_size, temperature=1.3), (logits,))
+    torch.autograd.gradcheck(lambda x: token_entropy(x, vocab_size=vocab_size, temperature=1.3), (logits,))
+
+
+def test_bf16_logits_give_fp32_results_and_grads_in_bf16():
+    logits, labels = _logits(4, dtype=torch.bfloat16)
+    logits.requires_grad_(True)
+    lp = token_logprobs(logits, labels)
+    assert lp.dtype == torch.float32
+    lp.sum().backward()
+    assert logits.grad.dtype == torch.bfloat16
+
+
+def test_bad_input_is_one_clear_error():
+    logits, labels = _logits()
+    with pytest.raises(ValueError, match="tp_group"):
+        token_logprobs(logits, labels, vocab_size=20)
+    with pytest.raises(ValueError, match="labels"):
+        token_logprobs(logits, labels[:, :3])
