@@ -1,0 +1,71 @@
+"""The contract every generation engine keeps: generate / update_weights / sleep / wake.
+
+Two engines implement it: `megatron_engine.MegatronRolloutEngine` (the policy itself, KV-cache
+decoding; CPU and GPU) and a colocated vLLM engine (GPU only). The PPO loop talks to this interface
+only, so the engine is a config choice.
+
+Generation output (a dict of tensors, all on the engine's device; T = max_new_tokens):
+    response_ids   [b, T] long   sampled tokens, right-padded with pad_id after EOS / the last token
+    response_mask  [b, T] float  1.0 on real response tokens (including the EOS token), 0.0 on padding
+    logprobs       [b, T] float32 log-prob of each sampled token under the sampling distribution
+                                 (softmax of logits / temperature over the true vocabulary); 0 on padding
+    ended          [b]    bool   the response emitted EOS (False: cut at max_new_tokens)
+    lengths        [b]    long   number of real response tokens (= response_mask.sum(-1))
+"""
+
+from __future__ import annotations
+
+import abc
+from dataclasses import dataclass
+from typing import Dict, Iterable, Optional, Tuple
+
+import torch
+
+GENERATION_KEYS = ("response_ids", "response_mask", "logprobs", "ended", "lengths")
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """How to pick tokens. temperature > 0 scales logits before softmax; greedy=True takes the argmax
+    (logprobs are still reported under softmax(logits / temperature))."""
+
+    max_new_tokens: int
+    temperature: float = 1.0
+    greedy: bool = False
+
+    def __post_init__(self):
+        if self.max_new_tokens < 1:
+            raise ValueError(f"max_new_tokens={self.max_new_tokens} must be >= 1")
+        if not self.temperature > 0:
+            raise ValueError(f"temperature={self.temperature} must be > 0 (for argmax decoding use greedy=True)")
+
+
+class RolloutEngine(abc.ABC):
+    """A generation engine for PPO rollouts.
+
+    `shares_policy_weights` is True for an engine that generates with the training model's own
+    parameters (nothing to sync after an optimizer step); the trainer skips `update_weights` then.
+    """
+
+    shares_policy_weights: bool = False
+
+    @abc.abstractmethod
+    def generate(
+        self,
+        prompt_ids: torch.Tensor,
+        prompt_mask: torch.Tensor,
+        sampling: SamplingParams,
+        generator: Optional[torch.Generator] = None,
+    ) -> Dict[str, torch.Tensor]:
+        """prompt_ids [b, s] LEFT-padded, prompt_mask [b, s] bool (True on real tokens) -> the dict
+        described in the module docstring. `generator` drives sampling (seed it per data-parallel rank)."""
+
+    @abc.abstractmethod
+    def update_weights(self, named_tensors: Iterable[Tuple[str, torch.Tensor]]) -> None:
+        """Load the policy's new weights, streamed as (HF parameter name, full tensor) pairs."""
+
+    def sleep(self) -> None:
+        """Release generation-only memory (KV cache, weights copy) while training runs. Default: nothing held."""
+
+    def wake(self) -> None:
+        """Re-acquire what `sleep` released, before the next `generate`. Default: nothing to do."""

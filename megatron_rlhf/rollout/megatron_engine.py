@@ -1,0 +1,289 @@
+"""KV-cache sampler on the Megatron policy itself (CPU and GPU): the engine wherever vLLM is absent.
+
+Decoding uses Megatron-Core's `StaticInferenceContext` (one KV cache slot per position per row):
+a prefill forward with the causal mask, then one token per forward with `attention_mask=None`
+(the cache holds the past), `sequence_len_offset` advanced by the tokens consumed, and
+`runtime_gather_output=True` so TP ranks see the whole (vocab-parallel) logits row.
+
+Prompts of different lengths. Prompts arrive LEFT-padded, but they are decoded right-aligned: row i
+holds its prompt in cache slots [0, len_i), so every real token sits at its true position (RoPE
+angle = slot) and no padding ever enters the cache before a real token. The common prefix
+[0, min_len) is prefilled in one forward; after that each step feeds one column: the row's own
+prompt token while the row is still inside its prompt (the prediction is discarded), a sampled
+token once it is past it. This is exact on every attention backend (local or Transformer Engine),
+because it needs no custom attention mask. The price is one single-token step per column between
+the shortest and the longest prompt.
+
+Sampling: logits are gathered over TP, cut to the true vocabulary (Megatron pads the vocab so TP
+shards are equal; padded ids are never sampled), cast to fp32, divided by the temperature. With
+TP > 1 the token picked by TP rank 0 is broadcast to the other TP ranks, so they decode the same
+sequence even if their logits differ in the last bit; seed every TP rank of a group identically
+(and data-parallel ranks differently) so generator states stay in step.
+
+Limits: pipeline parallelism, context parallelism and sequence parallelism are not supported here
+(each raises NotImplementedError saying what to do); generate with a tp-only layout or use vLLM.
+"""
+
+from __future__ import annotations
+
+from typing import Dict, Iterable, List, Optional, Sequence, Tuple, Union
+
+import torch
+
+from megatron_rlhf.rollout.base import RolloutEngine, SamplingParams
+
+Model = Union[torch.nn.Module, Sequence[torch.nn.Module]]
+
+
+def generate(
+    model: Model,
+    prompt_ids: torch.Tensor,
+    *,
+    max_new_tokens: int,
+    eos_id: Optional[int],
+    pad_id: int,
+    vocab_size: int,
+    prompt_mask: Optional[torch.Tensor] = None,
+    prompt_lengths: Optional[torch.Tensor] = None,
+    temperature: float = 1.0,
+    greedy: bool = False,
+    generator: Optional[torch.Generator] = None,
+    seed: Optional[int] = None,
+) -> Dict[str, torch.Tensor]:
+    """Sample up to `max_new_tokens` tokens after each prompt with the KV cache.
+
+    model: the policy: a GPTModel, or the list of chunks from `models.build.build_model` (one chunk:
+        pp=1), possibly wrapped in Megatron DDP / Float16Module (unwrapped here). Put in eval mode
+        for the call; its previous mode is restored afterwards.
+    prompt_ids [b, s] long, LEFT-padded. Give exactly one of prompt_mask [b, s] (bool/0-1, True on
+        real tokens, which must be the last ones of each row) or prompt_lengths [b] (real tokens are
+        the last prompt_lengths[i] columns). Every prompt needs at least one real token.
+    eos_id: generation of a row stops after it emits this id (None: always run max_new_tokens).
+    pad_id: filler for response_ids after the end of each response.
+    vocab_size: the TRUE vocabulary size; logits for padded ids (>= vocab_size) are dropped.
+    temperature, greedy: see `SamplingParams`.
+    generator / seed: sampling RNG (a torch.Generator on the model's device, or a seed to make one);
+        neither: torch's default generator.
+
+    Returns the dict described in `rollout/base.py`: response_ids, response_mask, logprobs [b, T],
+    ended, lengths [b], with T = max_new_tokens.
+    """
+    sampling = SamplingParams(max_new_tokens, temperature, greedy)
+    gpt = _single_chunk(model)
+    device = _device(gpt)
+    lengths = _prompt_lengths(prompt_ids, prompt_mask, prompt_lengths).to(device)
+    _check_ids(prompt_ids, lengths, vocab_size, eos_id, pad_id)
+    if generator is None and seed is not None:
+        generator = torch.Generator(device=device).manual_seed(seed)
+
+    was_training = gpt.training
+    gpt.eval()
+    try:
+        with torch.no_grad():
+            return _decode(gpt, prompt_ids.to(device), lengths, sampling, eos_id, pad_id, vocab_size, generator)
+    finally:
+        gpt.train(was_training)
+
+
+class MegatronRolloutEngine(RolloutEngine):
+    """`RolloutEngine` over the policy's own Megatron chunks (weights shared with training)."""
+
+    shares_policy_weights = True
+
+    def __init__(self, model: Model, *, eos_id: Optional[int], pad_id: int, vocab_size: int):
+        self.model = model
+        self.eos_id, self.pad_id, self.vocab_size = eos_id, pad_id, vocab_size
+
+    def generate(self, prompt_ids, prompt_mask, sampling: SamplingParams, generator=None):
+        return generate(
+            self.model, prompt_ids, prompt_mask=prompt_mask, max_new_tokens=sampling.max_new_tokens,
+            eos_id=self.eos_id, pad_id=self.pad_id, vocab_size=self.vocab_size,
+            temperature=sampling.temperature, greedy=sampling.greedy, generator=generator,
+        )
+
+    def update_weights(self, named_tensors: Iterable[Tuple[str, torch.Tensor]]) -> None:
+        raise NotImplementedError(
+            "the megatron engine generates with the policy's own parameters: there is nothing to update "
+            "(check engine.shares_policy_weights before streaming weights)"
+        )
+
+
+# --------------------------------------------------------------------------- decoding
+
+
+def _decode(gpt, prompt_ids, lengths, sampling: SamplingParams, eos_id, pad_id, vocab_size, generator):
+    from megatron.core.inference.contexts import StaticInferenceContext
+
+    b, T = prompt_ids.shape[0], sampling.max_new_tokens
+    device = prompt_ids.device
+    shortest, longest = int(lengths.min()), int(lengths.max())
+    n_slots = longest + T - 1  # the last sampled token is never fed back
+    if n_slots > gpt.max_sequence_length:
+        raise ValueError(
+            f"longest prompt ({longest} tokens) + max_new_tokens ({T}) - 1 = {n_slots} exceeds the model's "
+            f"max_position_embeddings={gpt.max_sequence_length}: shorten the prompts or max_new_tokens"
+        )
+    # seq [b, longest + T]: each row's prompt right-aligned at slot 0, then its response.
+    seq = _right_aligned(prompt_ids, lengths, longest + T, pad_id)
+    rows = torch.arange(b, device=device)
+    response = torch.full((b, T), pad_id, dtype=torch.long, device=device)
+    logprobs = torch.zeros(b, T, dtype=torch.float32, device=device)
+    n_generated = torch.zeros(b, dtype=torch.long, device=device)
+    ended = torch.zeros(b, dtype=torch.bool, device=device)
+
+    ctx = StaticInferenceContext(max_batch_size=b, max_sequence_length=n_slots)
+    logits = _forward(gpt, seq[:, :shortest], 0, ctx)  # prefill the common prefix
+    ctx.enable_decode_mode()
+    t = shortest  # the slot whose token `logits` predicts
+    while True:
+        token, token_logprob = _pick(logits, vocab_size, sampling, generator)
+        past_prompt = t >= lengths
+        active = past_prompt & ~ended & (n_generated < T)
+        k = (t - lengths).clamp(0, T - 1)  # response index of slot t
+        response[rows[active], k[active]] = token[active]
+        logprobs[rows[active], k[active]] = token_logprob[active]
+        seq[active, t] = token[active]
+        n_generated += active.long()
+        if eos_id is not None:
+            ended |= active & (token == eos_id)
+        if bool((past_prompt & (ended | (n_generated >= T))).all()):
+            break
+        logits = _forward(gpt, seq[:, t : t + 1], t, ctx)
+        t += 1
+
+    mask = torch.arange(T, device=device).unsqueeze(0) < n_generated.unsqueeze(1)
+    return {
+        "response_ids": response,
+        "response_mask": mask.float(),
+        "logprobs": logprobs,
+        "ended": ended,
+        "lengths": n_generated,
+    }
+
+
+def _forward(gpt, tokens: torch.Tensor, start: int, ctx) -> torch.Tensor:
+    """tokens [b, n] for cache slots [start, start + n) -> next-token logits [b, V_padded] (whole vocab).
+
+    Prefill (start == 0) uses the model's causal mask; later steps attend to the whole cache
+    (Megatron switches the mask off once sequence_len_offset > 0). RoPE takes its angles from the
+    cache slot, which is the true position here; position_ids are passed for embeddings that use them.
+    """
+    b, n = tokens.shape
+    positions = torch.arange(start, start + n, device=tokens.device).unsqueeze(0).expand(b, -1)
+    logits = gpt(tokens, positions, None, inference_context=ctx, runtime_gather_output=True)
+    ctx.increment_sequence_len_offset(n)
+    return logits[:, -1, :]  # static contexts materialise only the last position anyway
+
+
+def _pick(
+    logits: torch.Tensor, vocab_size: int, sampling: SamplingParams, generator
+) -> Tuple[torch.Tensor, torch.Tensor]:
+    """logits [b, V_padded] -> (token [b] long, its log-prob [b] fp32 under softmax(logits / temperature))."""
+    if logits.shape[-1] < vocab_size:
+        raise ValueError(f"vocab_size={vocab_size} is larger than the model's {logits.shape[-1]} logits")
+    z = logits[:, :vocab_size].float() / sampling.temperature
+    log_probs = torch.log_softmax(z, dim=-1)
+    if sampling.greedy:
+        token = z.argmax(dim=-1)
+    else:
+        token = torch.multinomial(log_probs.exp(), 1, generator=generator).squeeze(-1)
+    token = _same_on_tp_ranks(token)
+    return token, log_probs.gather(-1, token.unsqueeze(-1)).squeeze(-1)
+
+
+def _same_on_tp_ranks(token: torch.Tensor) -> torch.Tensor:
+    """TP rank 0's choice, on every rank of the TP group (a no-op without TP)."""
+    from megatron.core import parallel_state as ps
+
+    if ps.model_parallel_is_initialized() and ps.get_tensor_model_parallel_world_size() > 1:
+        torch.distributed.broadcast(
+            token, src=ps.get_tensor_model_parallel_src_rank(), group=ps.get_tensor_model_parallel_group()
+        )
+    return token
+
+
+# --------------------------------------------------------------------------- inputs
+
+
+def _single_chunk(model: Model):
+    """The GPTModel to decode with; refuses layouts this sampler does not handle."""
+    from megatron.core import parallel_state as ps
+    from megatron.core.utils import unwrap_model
+
+    from megatron_rlhf.models.heads import ScalarHead
+
+    chunks: List[torch.nn.Module] = list(model) if isinstance(model, (list, tuple)) else [model]
+    pp = ps.get_pipeline_model_parallel_world_size() if ps.model_parallel_is_initialized() else 1
+    if len(chunks) != 1 or pp > 1:
+        raise NotImplementedError(
+            f"the megatron sampler needs pp=1 (got pp={pp}, {len(chunks)} model chunks on this rank): "
+            "generate with a tp-only copy of the policy, or use the vLLM engine"
+        )
+    gpt = unwrap_model(chunks[0])
+    config = gpt.config
+    if config.context_parallel_size > 1:
+        raise NotImplementedError(
+            f"the megatron sampler needs cp=1 (got cp={config.context_parallel_size}): generate with a tp-only layout"
+        )
+    if config.sequence_parallel:
+        raise NotImplementedError(
+            "the megatron sampler needs sequence_parallel=False (single-token decode steps cannot be split "
+            "over TP ranks): generate with a copy of the policy built without sequence parallelism"
+        )
+    if isinstance(getattr(gpt, "output_layer", None), ScalarHead):
+        raise ValueError("generate() needs a language-model head; this model has a scalar (value/reward) head")
+    return gpt
+
+
+def _device(gpt) -> torch.device:
+    return next(gpt.parameters()).device
+
+
+def _prompt_lengths(prompt_ids, prompt_mask, prompt_lengths) -> torch.Tensor:
+    """Real-token count per row [b] long, after checking the prompts are LEFT-padded."""
+    if prompt_ids.dim() != 2:
+        raise ValueError(f"prompt_ids must be [batch, seq], got shape {tuple(prompt_ids.shape)}")
+    b, s = prompt_ids.shape
+    if (prompt_mask is None) == (prompt_lengths is None):
+        raise ValueError("pass exactly one of prompt_mask [b, s] or prompt_lengths [b]")
+    if prompt_mask is not None:
+        if prompt_mask.shape != prompt_ids.shape:
+            raise ValueError(
+                f"prompt_mask {tuple(prompt_mask.shape)} must have the shape of prompt_ids {(b, s)}"
+            )
+        lengths = prompt_mask.bool().sum(-1).long().cpu()
+        expected = torch.arange(s).unsqueeze(0) >= (s - lengths).unsqueeze(1)
+        if not torch.equal(prompt_mask.bool().cpu(), expected):
+            raise ValueError("prompt_mask must mark LEFT-padded prompts (padding first, real tokens last in each row)")
+    else:
+        lengths = torch.as_tensor(prompt_lengths).long().cpu()
+        if lengths.shape != (b,):
+            raise ValueError(f"prompt_lengths {tuple(lengths.shape)} must be [batch] = ({b},)")
+    if b == 0:
+        raise ValueError("no prompts to generate from (batch size 0)")
+    if int(lengths.min()) < 1 or int(lengths.max()) > s:
+        raise ValueError(f"prompt lengths must be in [1, {s}], got min {int(lengths.min())} max {int(lengths.max())}")
+    return lengths
+
+
+def _check_ids(prompt_ids, lengths, vocab_size: int, eos_id, pad_id: int) -> None:
+    s = prompt_ids.shape[1]
+    real = torch.arange(s, device=prompt_ids.device).unsqueeze(0) >= (s - lengths).unsqueeze(1)
+    ids = prompt_ids[real]
+    if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= vocab_size):
+        raise ValueError(
+            f"prompt token ids must be in [0, vocab_size={vocab_size}), got [{int(ids.min())}, {int(ids.max())}]"
+        )
+    if eos_id is not None and not 0 <= eos_id < vocab_size:
+        raise ValueError(f"eos_id={eos_id} is not a token id of the vocabulary (size {vocab_size})")
+    if not 0 <= pad_id < vocab_size:
+        raise ValueError(f"pad_id={pad_id} must be a token id in [0, {vocab_size}) (it is fed to finished rows)")
+
+
+def _right_aligned(prompt_ids: torch.Tensor, lengths: torch.Tensor, width: int, pad_id: int) -> torch.Tensor:
+    """LEFT-padded [b, s] -> [b, width] with row i's len_i real tokens at columns [0, len_i), pad_id after."""
+    s = prompt_ids.shape[1]
+    col = torch.arange(width, device=prompt_ids.device).unsqueeze(0)  # [1, width]
+    src = (col + (s - lengths).unsqueeze(1)).clamp(max=s - 1)  # column of prompt_ids feeding column `col`
+    out = torch.gather(prompt_ids, 1, src)
+    return torch.where(col < lengths.unsqueeze(1), out, torch.full_like(out, pad_id))
