@@ -1,0 +1,134 @@
+"""The `megatron-rlhf` command.
+
+::
+
+    megatron-rlhf sft CONFIG.yaml [key=value ...]     # stage 1
+    megatron-rlhf rm  CONFIG.yaml [key=value ...]     # stage 2
+    megatron-rlhf prepare-tiny OUT_DIR                # data + tokenizer of the tiny CPU task
+    megatron-rlhf <command> --help                    # a config command lists its groups and fields
+
+Every command is one line of `COMMANDS`. A config command (`config=` set) loads
+`config.load_config(config, CONFIG.yaml, overrides)` and calls ``target(cfg)``; any other command
+calls ``target(argv)`` and parses its own arguments. Targets are imported only when their command
+runs. Bad input (config, data, layout, unsupported model) prints ``error: <one line>`` and exits 2.
+"""
+
+from __future__ import annotations
+
+import argparse
+import difflib
+import importlib
+import sys
+from dataclasses import dataclass
+from typing import Callable, Optional, Sequence
+
+from megatron_rlhf import config as C
+
+
+@dataclass(frozen=True)
+class Command:
+    help: str
+    target: str  # "module:function"
+    config: Optional[type] = None  # config command: target(cfg); otherwise target(argv) -> exit code
+
+
+COMMANDS = {
+    "sft": Command("supervised fine-tuning on demonstrations (stage 1)", "megatron_rlhf.trainer.sft:run", C.SFTConfig),
+    "rm": Command("Bradley-Terry reward model on preference pairs (stage 2)", "megatron_rlhf.trainer.rm:run", C.RMConfig),
+    "prepare-tiny": Command("write the tiny sort-digits task (tokenizer + jsonl)", "megatron_rlhf.tasks.sort_digits:main"),
+}
+
+
+def _user_errors() -> tuple:
+    """Exceptions that mean bad input: reported as one line, exit code 2, no traceback."""
+    from megatron_rlhf.data import DataError
+    from megatron_rlhf.models.spec import UnsupportedModelError
+    from megatron_rlhf.parallel.layout import LayoutError
+
+    errors = [C.ConfigError, DataError, LayoutError, UnsupportedModelError]
+    try:  # checkpoint problems (none found with resume=required, ...) are bad input too
+        from megatron_rlhf.checkpoint.state import CheckpointError
+
+        errors.append(CheckpointError)
+    except ImportError:
+        pass
+    return tuple(errors)
+
+
+def _error(message: str) -> int:
+    print(f"error: {message}", file=sys.stderr, flush=True)
+    return 2
+
+
+def _resolve(target: str) -> Callable:
+    module, _, name = target.partition(":")
+    return getattr(importlib.import_module(module), name)
+
+
+def _top_help() -> str:
+    width = max(len(n) for n in COMMANDS)
+    lines = ["usage: megatron-rlhf <command> [args...]", "", "RLHF with PPO on Megatron-Core.", "", "commands:"]
+    lines += [f"  {name:<{width}}  {cmd.help}" for name, cmd in COMMANDS.items()]
+    lines += ["", "megatron-rlhf <command> --help shows a command's arguments and config groups."]
+    return "\n".join(lines)
+
+
+def _config_parser(name: str, cmd: Command) -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog=f"megatron-rlhf {name}",
+        description=f"{cmd.help}.\n\nConfig: defaults <- CONFIG.yaml <- key=value overrides "
+        "(e.g. train.lr=1e-4 parallel.tp=2).",
+        epilog="config groups and fields (key (type) = default):\n" + C.describe(cmd.config),
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    parser.add_argument("config", nargs="?", help="YAML config file (optional: everything can be overrides)")
+    parser.add_argument("overrides", nargs="*", help="dotted key=value overrides, applied in order")
+    parser.add_argument("--print-config", action="store_true", help="print the resolved config and exit")
+    return parser
+
+
+def _run_config_command(name: str, cmd: Command, argv: Sequence[str]) -> int:
+    args = _config_parser(name, cmd).parse_args(list(argv))
+    overrides = list(args.overrides)
+    yaml_path = args.config
+    if yaml_path is not None and "=" in yaml_path:  # no YAML, the first argument is an override
+        overrides.insert(0, yaml_path)
+        yaml_path = None
+    errors = _user_errors()
+    try:
+        cfg = C.load_config(cmd.config, yaml_path, overrides)
+    except errors as e:
+        return _error(str(e))
+    if args.print_config:
+        print(C.to_yaml(cfg), end="")
+        return 0
+    run = _resolve(cmd.target)
+    try:
+        result = run(cfg)
+    except errors as e:
+        return _error(str(e))
+    return result if isinstance(result, int) else 0
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    """Entry point of the `megatron-rlhf` console script; returns the exit code."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if not argv or argv[0] in ("-h", "--help"):
+        print(_top_help())
+        return 0 if argv else 2
+    name, rest = argv[0], argv[1:]
+    if name not in COMMANDS:
+        close = difflib.get_close_matches(name, list(COMMANDS), n=1)
+        hint = f"did you mean '{close[0]}'?" if close else f"commands: {', '.join(COMMANDS)}"
+        return _error(f"unknown command '{name}': {hint}")
+    cmd = COMMANDS[name]
+    if cmd.config is not None:
+        return _run_config_command(name, cmd, rest)
+    try:
+        return int(_resolve(cmd.target)(rest) or 0)
+    except _user_errors() as e:
+        return _error(str(e))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,703 @@
+"""Run configuration: nested dataclasses used as OmegaConf structured configs.
+
+A run is described by one YAML file plus dotted command-line overrides::
+
+    megatron-rlhf sft examples/tiny/sft.yaml train.lr=1e-4 parallel.tp=2
+
+`load_config(SFTConfig, "sft.yaml", ["train.lr=1e-4"])` merges the dataclass defaults, the YAML and
+the overrides (in that order), checks every key and type against the dataclasses, resolves the model
+architecture (from an HF `config.json`, a Megatron checkpoint's `model_config.json`, or inline
+fields) and returns plain dataclass instances. Every problem raises `ConfigError` with one line that
+names the key, the value and the fix. `save_resolved(cfg, run_dir)` writes the final config to
+`<run_dir>/config.yaml`; loading that file again gives the same config.
+
+Groups shared by all commands (`RunConfig`): model, parallel, fp8, tokenizer, data, train,
+checkpoint, logging. `SFTConfig`, `RMConfig` (+ calibration) and `PPOConfig` (+ ppo) add their own.
+Relative paths are relative to the current working directory.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import glob
+import json
+import os
+import typing
+from dataclasses import dataclass, field
+from typing import Any, Iterator, Optional, Sequence
+
+from megatron_rlhf.models.spec import ModelConfig, model_config_from_hf
+from megatron_rlhf.parallel.layout import Fp8Config, ParallelConfig
+
+
+class ConfigError(ValueError):
+    """A bad configuration. The message is one line naming the key, the value and the fix."""
+
+
+def _f(default: Any = None, help: str = "", choices: Optional[Sequence[Any]] = None, factory=None):
+    """A dataclass field with a help text (shown by `--help`) and optional allowed values."""
+    meta = {"help": help}
+    if choices is not None:
+        meta["choices"] = tuple(choices)
+    if factory is not None:
+        return field(default_factory=factory, metadata=meta)
+    return field(default=default, metadata=meta)
+
+
+# --------------------------------------------------------------------------------------------
+# Groups
+# --------------------------------------------------------------------------------------------
+
+MODEL_CONFIG_FILE = "model_config.json"  # written next to Megatron checkpoints (see write_model_config)
+
+# ModelConfig fields that are choices of this run rather than properties of the architecture:
+# always taken from the `model` group, never from hf_config / model_config.json.
+RUN_CHOICE_FIELDS = ("params_dtype", "make_vocab_size_divisible_by", "init_method_std")
+
+
+@dataclass
+class ModelSection(ModelConfig):
+    """The `model` group: where the architecture (and initial weights) come from.
+
+    Architecture source, first match wins:
+      1. `hf_config`: an HF config.json (or the directory holding it);
+      2. `load`: a Megatron checkpoint directory holding `model_config.json` (itself or its parent);
+      3. the inline fields below (ModelConfig), e.g. `model.hidden_size=128`.
+    With 1 or 2 the inline architecture fields are filled from the source by `load_config`; an inline
+    value that contradicts the source is an error. `params_dtype`, `make_vocab_size_divisible_by`
+    and `init_method_std` are always this run's choice.
+    """
+
+    hf_config: Optional[str] = None
+    load: Optional[str] = None  # Megatron checkpoint to initialise the weights from (no optimizer state)
+
+    def to_model_config(self) -> ModelConfig:
+        """The plain `ModelConfig` (what models/build.py takes)."""
+        return ModelConfig(**{f.name: getattr(self, f.name) for f in dataclasses.fields(ModelConfig)})
+
+
+# Help for fields of dataclasses defined elsewhere (models/spec.py, parallel/layout.py).
+_EXTERNAL_HELP = {
+    "model.hf_config": "HF config.json (or its directory): architecture source",
+    "model.load": "Megatron checkpoint dir with initial weights (and model_config.json)",
+    "model.num_layers": "decoder layers",
+    "model.hidden_size": "model width",
+    "model.ffn_hidden_size": "SwiGLU inner width",
+    "model.num_attention_heads": "query heads",
+    "model.num_query_groups": "key/value heads (GQA)",
+    "model.kv_channels": "head dim; null = hidden_size / num_attention_heads",
+    "model.vocab_size": "tokenizer vocabulary size",
+    "model.max_position_embeddings": "longest sequence the RoPE tables cover",
+    "model.rotary_base": "RoPE theta",
+    "model.rope_scaling": "{type: llama3|linear, factor: F} or null",
+    "model.norm_epsilon": "RMSNorm epsilon",
+    "model.add_qkv_bias": "bias on the QKV projection (Qwen2)",
+    "model.tie_embeddings": "share input embedding and LM head",
+    "model.init_method_std": "weight init std (fresh weights only)",
+    "model.sliding_window": "attention window; null = full",
+    "model.family": "llama | mistral | qwen2 (HF names on export)",
+    "model.make_vocab_size_divisible_by": "pad the vocab to a multiple of this * tp",
+    "model.params_dtype": "float32 | bfloat16 | float16",
+    "parallel.tp": "tensor-parallel size",
+    "parallel.pp": "pipeline-parallel size",
+    "parallel.vpp": "virtual pipeline chunks per pipeline rank; null = off",
+    "parallel.cp": "context-parallel size",
+    "parallel.sequence_parallel": "shard activations along the sequence (needs tp > 1)",
+    "parallel.use_distributed_optimizer": "shard optimizer state over data-parallel ranks",
+    "fp8.format": "e4m3 | hybrid | null (off); GPU with Transformer Engine only",
+    "fp8.recipe": "delayed | tensorwise | mxfp8 | blockwise",
+    "fp8.amax_history_len": "amax history length (delayed scaling)",
+    "fp8.amax_compute_algo": "max | most_recent",
+    "fp8.margin": "scaling-factor margin",
+}
+
+
+@dataclass
+class TokenizerConfig:
+    path: Optional[str] = _f(
+        None, "local HF tokenizer directory (default: model.hf_config's directory when it has one)"
+    )
+
+
+@dataclass
+class DataConfig:
+    train_path: Optional[str] = _f(None, "training file, glob or directory (local only)")
+    eval_path: Optional[str] = _f(None, "held-out file; otherwise eval_fraction of train_path is held out")
+    format: Optional[str] = _f(
+        None, "file format; null = from the extension", choices=(None, "jsonl", "json", "parquet", "arrow")
+    )
+    prompt_field: str = _f("prompt", "field holding the prompt text")
+    response_field: str = _f("response", "field holding the SFT response text")
+    messages_field: str = _f("messages", "field holding chat messages [{role, content}] (SFT)")
+    chosen_field: str = _f("chosen", "field holding the preferred response (RM)")
+    rejected_field: str = _f("rejected", "field holding the other response (RM)")
+    append_eos: bool = _f(True, "append the tokenizer's EOS to responses (not to chat rows)")
+    max_seq_len: int = _f(512, "maximum tokens per example (prompt + response)")
+    max_prompt_len: Optional[int] = _f(None, "maximum prompt tokens for prompt-only data; null = max_seq_len")
+    overlong: str = _f("truncate", "what to do with longer examples", choices=("truncate", "drop"))
+    max_bad_fraction: float = _f(0.01, "stop with an error when more rows than this are malformed")
+    eval_fraction: float = _f(0.0, "fraction of train rows held out for evaluation (when no eval_path)")
+    seed: Optional[int] = _f(None, "shuffling / split seed; null = train.seed")
+    num_proc: int = _f(1, "processes for tokenisation (datasets.map)")
+
+
+@dataclass
+class TrainConfig:
+    lr: float = _f(1e-4, "peak learning rate")
+    min_lr: float = _f(0.0, "learning rate at the end of the decay")
+    lr_schedule: str = _f("cosine", "decay after warmup", choices=("constant", "linear", "cosine"))
+    warmup_steps: int = _f(0, "linear warmup steps")
+    lr_decay_steps: Optional[int] = _f(None, "steps over which lr decays; null = all training steps")
+    weight_decay: float = _f(0.0, "AdamW weight decay")
+    adam_beta1: float = _f(0.9, "Adam beta1")
+    adam_beta2: float = _f(0.95, "Adam beta2")
+    adam_eps: float = _f(1e-8, "Adam epsilon")
+    clip_grad: float = _f(1.0, "gradient-norm clip; 0 = off")
+    global_batch_size: int = _f(32, "examples (RM: pairs) per optimizer step over all data-parallel ranks")
+    micro_batch_size: int = _f(4, "examples per forward pass on one rank")
+    train_steps: Optional[int] = _f(None, "optimizer steps; null = epochs * steps per epoch")
+    epochs: int = _f(1, "passes over the training data when train_steps is null")
+    exit_at_step: Optional[int] = _f(
+        None, "save and stop at this step without changing the schedule (tests, time-limited jobs)"
+    )
+    seed: int = _f(1234, "seed for initialisation, dropout-free sampling and data order")
+    eval_interval: int = _f(0, "evaluate every N steps; 0 = only at the end")
+
+
+@dataclass
+class CheckpointConfig:
+    dir: Optional[str] = _f(None, "checkpoint root; null = <logging.run_dir>/checkpoints")
+    save_interval: int = _f(0, "save every N steps; 0 = only at the end (and on SIGTERM/SIGUSR1)")
+    keep_last: int = _f(2, "number of most recent checkpoints kept")
+    load: Optional[str] = _f(None, "resume from this checkpoint root instead of dir")
+    resume: str = _f(
+        "auto",
+        "auto: resume when a checkpoint exists; never: start fresh; required: error without one",
+        choices=("auto", "never", "required"),
+    )
+
+
+@dataclass
+class LoggingConfig:
+    run_dir: str = _f("runs/run", "run directory: config.yaml, metrics.jsonl, tensorboard/, checkpoints/")
+    tensorboard: bool = _f(True, "write TensorBoard event files (rank 0)")
+    progress_bar: bool = _f(True, "tqdm progress bar with ETA (rank 0)")
+    log_interval: int = _f(10, "log scalars every N steps")
+
+
+@dataclass
+class CalibrationConfig:
+    """Reward normalisation statistics: mean/std of RM scores on SFT-policy samples."""
+
+    enabled: bool = _f(True, "run the calibration pass after RM training")
+    num_prompts: int = _f(256, "prompts sampled from the SFT policy for the mean/std pass")
+    prompts_path: Optional[str] = _f(None, "prompt-only file; null = the prompts of data.train_path")
+    policy_load: Optional[str] = _f(None, "SFT checkpoint to sample from; null = model.load")
+    max_new_tokens: int = _f(64, "sampling length limit")
+    temperature: float = _f(1.0, "sampling temperature")
+    batch_size: int = _f(32, "prompts per generation batch")
+
+
+@dataclass
+class PPOSection:
+    """Placeholder for the PPO stage (filled in by that issue); defaults follow ppo-spec.md."""
+
+    reward_load: Optional[str] = _f(None, "reward model checkpoint")
+    value_load: Optional[str] = _f(None, "value model init; null = reward_load")
+    beta: float = _f(0.05, "KL penalty coefficient")
+    kl_estimator: str = _f("k1", "per-token KL estimator", choices=("k1", "k2", "k3"))
+    adaptive_kl_target: Optional[float] = _f(None, "target KL per sequence; null = fixed beta")
+    gamma: float = _f(1.0, "discount")
+    lam: float = _f(0.95, "GAE lambda")
+    clip_eps: float = _f(0.2, "policy ratio clip")
+    value_clip_eps: float = _f(0.2, "value clip")
+    vf_coef: float = _f(0.1, "value-loss coefficient")
+    epochs: int = _f(2, "PPO epochs per rollout batch")
+    rollout_batch_size: int = _f(128, "prompts per iteration")
+    minibatch_size: int = _f(64, "rollouts per optimizer step")
+    max_new_tokens: int = _f(64, "generation length limit")
+    temperature: float = _f(1.0, "sampling temperature")
+    missing_eos_penalty: float = _f(1.0, "score for responses without EOS is -this")
+    iterations: int = _f(100, "PPO iterations")
+
+
+@dataclass
+class RunConfig:
+    """Groups shared by every training command."""
+
+    model: ModelSection = field(default_factory=ModelSection)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    fp8: Fp8Config = field(default_factory=Fp8Config)
+    tokenizer: TokenizerConfig = field(default_factory=TokenizerConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    logging: LoggingConfig = field(default_factory=LoggingConfig)
+
+
+@dataclass
+class SFTConfig(RunConfig):
+    """`megatron-rlhf sft`: supervised fine-tuning on (prompt, response) or chat rows."""
+
+
+@dataclass
+class RMConfig(RunConfig):
+    """`megatron-rlhf rm`: Bradley-Terry reward model on (prompt, chosen, rejected) rows."""
+
+    calibration: CalibrationConfig = field(default_factory=CalibrationConfig)
+
+
+@dataclass
+class PPOConfig(RunConfig):
+    """`megatron-rlhf ppo` (placeholder): PPO against a frozen reward model."""
+
+    ppo: PPOSection = field(default_factory=PPOSection)
+
+
+# --------------------------------------------------------------------------------------------
+# Loading
+# --------------------------------------------------------------------------------------------
+
+
+def load_config(cls: type, yaml_path: Optional[str] = None, overrides: Sequence[str] = ()) -> Any:
+    """Defaults of `cls` <- YAML file <- `key=value` overrides, validated; returns a `cls` instance.
+
+    Raises `ConfigError` (one line) for a missing/unreadable YAML file, an unknown key (with the closest
+    valid key), a value of the wrong type, a malformed override or an invalid setting.
+    """
+    from omegaconf import OmegaConf
+
+    merged = OmegaConf.structured(cls)
+    explicit: set = set()  # dotted keys the user set: an explicit model field must agree with hf_config
+    sources = [(_read_yaml(yaml_path), f"in {yaml_path}")] if yaml_path is not None else []
+    sources += [(_parse_override(item), f"in override '{item}'") for item in overrides]
+    for new, where in sources:
+        merged = _merge(cls, merged, new, where)
+        explicit.update(_leaf_keys(new))
+    try:
+        cfg = OmegaConf.to_object(merged)
+    except Exception as e:  # interpolation / missing-value errors
+        raise ConfigError(_omegaconf_message(cls, e, None, "")) from None
+    _finalize(cfg, explicit)
+    validate(cfg)
+    return cfg
+
+
+def _leaf_keys(node, prefix: str = "") -> list:
+    from omegaconf import DictConfig
+
+    keys = []
+    for k in node.keys():
+        value = node._get_node(k)
+        if isinstance(value, DictConfig) and not value._is_none():
+            keys.extend(_leaf_keys(value, f"{prefix}{k}."))
+        else:
+            keys.append(f"{prefix}{k}")
+    return keys
+
+
+def _read_yaml(path: str):
+    from omegaconf import DictConfig, OmegaConf
+
+    if not os.path.isfile(path):
+        raise ConfigError(f"config file '{path}' not found (cwd: {os.getcwd()}): pass an existing YAML file")
+    try:
+        data = OmegaConf.load(path)
+    except Exception as e:
+        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise ConfigError(f"config file '{path}' is not valid YAML: {first}") from None
+    if data is None or (not isinstance(data, DictConfig)):
+        if data is None or len(data) == 0:
+            return OmegaConf.create({})
+        raise ConfigError(f"config file '{path}' must hold a mapping of groups (model:, train:, ...), not a list")
+    return data
+
+
+def _parse_override(item: str):
+    from omegaconf import OmegaConf
+
+    key, sep, _ = item.partition("=")
+    if not sep or not key.strip():
+        raise ConfigError(f"override '{item}' is not key=value (example: train.lr=1e-4)")
+    try:
+        return OmegaConf.from_dotlist([item])
+    except Exception as e:
+        first = str(e).strip().splitlines()[0]
+        raise ConfigError(f"override '{item}' could not be parsed: {first}") from None
+
+
+def _merge(cls: type, base, new, source: str):
+    from omegaconf import OmegaConf
+
+    try:
+        return OmegaConf.merge(base, new)
+    except Exception as e:
+        raise ConfigError(_omegaconf_message(cls, e, new, source)) from None
+
+
+def _omegaconf_message(cls: type, e: Exception, new, source: str) -> str:
+    """Turn an OmegaConf error into one line that names the key, value and fix."""
+    from omegaconf import OmegaConf
+    from omegaconf.errors import ConfigKeyError, MissingMandatoryValue, ValidationError
+
+    key = getattr(e, "full_key", None) or None
+    where = f" ({source})" if source else ""
+    if isinstance(e, ConfigKeyError) and key:
+        return f"unknown config key '{key}'{where}: {_suggest(cls, key)}"
+    if isinstance(e, MissingMandatoryValue) and key:
+        return f"config key '{key}' has no value: set it in the YAML file or as {key}=..."
+    if isinstance(e, ValidationError):
+        if key is None and new is not None:
+            key = _first_bad_group(cls, new)
+        if key:
+            value = OmegaConf.select(new, key, throw_on_missing=False) if new is not None else None
+            expected = _type_name(_field_type(cls, key))
+            return (
+                f"config key '{key}' has value {value!r} of type {type(value).__name__}{where}: expected {expected}"
+            )
+    first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+    return f"invalid config{where}: {first}" + (f" (key '{key}')" if key else "")
+
+
+def _first_bad_group(cls: type, new) -> Optional[str]:
+    """A group given a scalar (`train: 5`) has no full_key in OmegaConf's error: find it ourselves."""
+    from omegaconf import DictConfig
+
+    for name, f in _dc_fields(cls).items():
+        if dataclasses.is_dataclass(f) and name in new and not isinstance(new[name], DictConfig):
+            return name
+    return None
+
+
+def _dc_fields(cls: type) -> dict:
+    """name -> resolved type for the fields of dataclass `cls`."""
+    hints = typing.get_type_hints(cls)
+    return {f.name: hints[f.name] for f in dataclasses.fields(cls)}
+
+
+def _unwrap_optional(tp):
+    args = typing.get_args(tp)
+    if typing.get_origin(tp) is typing.Union and type(None) in args:
+        rest = [a for a in args if a is not type(None)]
+        return rest[0] if len(rest) == 1 else tp, True
+    return tp, False
+
+
+def _field_type(cls: type, dotted: str):
+    tp: Any = cls
+    for part in dotted.split("."):
+        inner, _ = _unwrap_optional(tp)
+        if not dataclasses.is_dataclass(inner):
+            return None
+        fields = _dc_fields(inner)
+        if part not in fields:
+            return None
+        tp = fields[part]
+    return tp
+
+
+def _type_name(tp) -> str:
+    if tp is None:
+        return "a valid value"
+    inner, optional = _unwrap_optional(tp)
+    if dataclasses.is_dataclass(inner):
+        name = "a mapping (a config group)"
+    else:
+        name = getattr(inner, "__name__", None) or str(inner).replace("typing.", "")
+    return f"{name} or null" if optional else name
+
+
+def all_keys(cls: type, prefix: str = "") -> list:
+    """Every dotted leaf key of config class `cls` (groups expanded)."""
+    keys = []
+    for name, tp in _dc_fields(cls).items():
+        inner, _ = _unwrap_optional(tp)
+        full = f"{prefix}{name}"
+        if dataclasses.is_dataclass(inner):
+            keys.extend(all_keys(inner, full + "."))
+        else:
+            keys.append(full)
+    return keys
+
+
+def _suggest(cls: type, key: str) -> str:
+    """'did you mean ...' for an unknown dotted key: a close sibling, then the same leaf elsewhere."""
+    parent, _, leaf = key.rpartition(".")
+    parent_type = _unwrap_optional(_field_type(cls, parent))[0] if parent else cls
+    if dataclasses.is_dataclass(parent_type):
+        siblings = list(_dc_fields(parent_type))
+        close = difflib.get_close_matches(leaf, siblings, n=1, cutoff=0.6)
+        if close:
+            return f"did you mean '{parent + '.' if parent else ''}{close[0]}'?"
+    everything = all_keys(cls)
+    same_leaf = [k for k in everything if k.rsplit(".", 1)[-1] == leaf]
+    if same_leaf:
+        return f"did you mean '{same_leaf[0]}'?"
+    close = difflib.get_close_matches(key, everything, n=1, cutoff=0.5)
+    if not close:
+        by_leaf = {k.rsplit(".", 1)[-1]: k for k in everything}
+        leaf_close = difflib.get_close_matches(leaf, list(by_leaf), n=1, cutoff=0.6)
+        close = [by_leaf[leaf_close[0]]] if leaf_close else []
+    if close:
+        return f"did you mean '{close[0]}'?"
+    if dataclasses.is_dataclass(parent_type):
+        return f"valid keys{' in ' + repr(parent) if parent else ''}: {', '.join(_dc_fields(parent_type))}"
+    return "see --help for the valid keys"
+
+
+# --------------------------------------------------------------------------------------------
+# Model architecture resolution
+# --------------------------------------------------------------------------------------------
+
+
+def read_hf_config(path: str) -> dict:
+    """The dict in an HF config.json given the file or its directory."""
+    file = os.path.join(path, "config.json") if os.path.isdir(path) else path
+    if not os.path.isfile(file):
+        raise ConfigError(f"model.hf_config: '{file}' not found: point it at an HF config.json or its directory")
+    try:
+        with open(file) as fh:
+            return json.load(fh)
+    except json.JSONDecodeError as e:
+        raise ConfigError(f"model.hf_config: '{file}' is not valid JSON ({e})") from None
+
+
+def write_model_config(model: ModelConfig, directory: str) -> str:
+    """Write `model_config.json` into a checkpoint directory so `model.load` can find the architecture."""
+    os.makedirs(directory, exist_ok=True)
+    path = os.path.join(directory, MODEL_CONFIG_FILE)
+    tmp = path + ".tmp"
+    plain = ModelConfig(**{f.name: getattr(model, f.name) for f in dataclasses.fields(ModelConfig)})
+    with open(tmp, "w") as fh:
+        json.dump(plain.to_dict(), fh, indent=2)
+    os.replace(tmp, path)
+    return path
+
+
+def read_model_config(directory: str) -> Optional[ModelConfig]:
+    """`ModelConfig` from `model_config.json` in a checkpoint root or step directory: looked up in
+    `directory`, in the step directory its `latest` file names, then in its parent. None if absent."""
+    candidates = [directory]
+    latest = os.path.join(directory, "latest")
+    if os.path.isfile(latest):
+        with open(latest) as fh:
+            candidates.append(os.path.join(directory, fh.read().strip()))
+    candidates.append(os.path.dirname(os.path.abspath(directory)))
+    for d in candidates:
+        path = os.path.join(d, MODEL_CONFIG_FILE)
+        if os.path.isfile(path):
+            with open(path) as fh:
+                data = json.load(fh)
+            known = {f.name for f in dataclasses.fields(ModelConfig)}
+            return ModelConfig(**{k: v for k, v in data.items() if k in known})
+    return None
+
+
+def _resolve_model(section: ModelSection, explicit: frozenset = frozenset()) -> None:
+    """Fill the inline architecture fields from hf_config / load (see ModelSection)."""
+    source, arch = None, None
+    if section.hf_config is not None:
+        arch, _head = model_config_from_hf(read_hf_config(section.hf_config))
+        source = "model.hf_config"
+    if section.load is not None:
+        if not os.path.exists(section.load):
+            raise ConfigError(f"model.load: checkpoint '{section.load}' not found")
+        if arch is None:
+            arch = read_model_config(section.load)
+            source = "model.load" if arch is not None else None
+    if arch is None:
+        return  # inline architecture
+    defaults = ModelConfig()
+    for f in dataclasses.fields(ModelConfig):
+        if f.name in RUN_CHOICE_FIELDS:
+            continue
+        mine, theirs, default = getattr(section, f.name), getattr(arch, f.name), getattr(defaults, f.name)
+        if (mine != default or f"model.{f.name}" in explicit) and mine != theirs:
+            raise ConfigError(
+                f"model.{f.name}={mine!r} contradicts {source} ({theirs!r}): remove model.{f.name} or the source"
+            )
+        setattr(section, f.name, theirs)
+
+
+def _finalize(cfg: Any, explicit: frozenset = frozenset()) -> None:
+    """Derived defaults that depend on other keys (written into the resolved config)."""
+    if isinstance(cfg, RunConfig):
+        _resolve_model(cfg.model, frozenset(explicit))
+        if cfg.data.seed is None:
+            cfg.data.seed = cfg.train.seed
+        if cfg.checkpoint.dir is None:
+            cfg.checkpoint.dir = os.path.join(cfg.logging.run_dir, "checkpoints")
+        if cfg.tokenizer.path is None and cfg.model.hf_config and os.path.isdir(cfg.model.hf_config):
+            cfg.tokenizer.path = cfg.model.hf_config
+
+
+# --------------------------------------------------------------------------------------------
+# Validation
+# --------------------------------------------------------------------------------------------
+
+
+def _walk(obj: Any, prefix: str = "") -> Iterator[tuple[str, Any, dataclasses.Field]]:
+    for f in dataclasses.fields(obj):
+        value = getattr(obj, f.name)
+        yield f"{prefix}{f.name}", value, f
+        if dataclasses.is_dataclass(value):
+            yield from _walk(value, f"{prefix}{f.name}.")
+
+
+def _require(cond: bool, message: str) -> None:
+    if not cond:
+        raise ConfigError(message)
+
+
+def _paths_exist(pattern: str) -> bool:
+    return os.path.exists(pattern) or bool(glob.glob(pattern))
+
+
+def validate(cfg: Any) -> None:
+    """Semantic checks beyond types; raises `ConfigError`. Layout checks that need the world size
+    are `megatron_rlhf.parallel.layout.validate_layout`, called by the trainer."""
+    for key, value, f in _walk(cfg):
+        choices = f.metadata.get("choices")
+        if choices is not None and value not in choices:
+            close = difflib.get_close_matches(str(value), [str(c) for c in choices if c is not None], n=1)
+            hint = f" (did you mean {close[0]!r}?)" if close else ""
+            shown = ", ".join("null" if c is None else str(c) for c in choices)
+            raise ConfigError(f"{key}={value!r} is not one of: {shown}{hint}")
+    if not isinstance(cfg, RunConfig):
+        return
+    t, d, c, log = cfg.train, cfg.data, cfg.checkpoint, cfg.logging
+    _require(t.lr > 0, f"train.lr={t.lr} must be > 0")
+    _require(0 <= t.min_lr <= t.lr, f"train.min_lr={t.min_lr} must be between 0 and train.lr={t.lr}")
+    _require(t.warmup_steps >= 0, f"train.warmup_steps={t.warmup_steps} must be >= 0")
+    _require(t.weight_decay >= 0, f"train.weight_decay={t.weight_decay} must be >= 0")
+    for name in ("adam_beta1", "adam_beta2"):
+        v = getattr(t, name)
+        _require(0 <= v < 1, f"train.{name}={v} must be in [0, 1)")
+    _require(t.adam_eps > 0, f"train.adam_eps={t.adam_eps} must be > 0")
+    _require(t.clip_grad >= 0, f"train.clip_grad={t.clip_grad} must be >= 0 (0 = off)")
+    _require(t.micro_batch_size >= 1, f"train.micro_batch_size={t.micro_batch_size} must be >= 1")
+    _require(
+        t.global_batch_size >= 1 and t.global_batch_size % t.micro_batch_size == 0,
+        f"train.global_batch_size={t.global_batch_size} must be a positive multiple of "
+        f"train.micro_batch_size={t.micro_batch_size}",
+    )
+    _require(t.train_steps is None or t.train_steps >= 1, f"train.train_steps={t.train_steps} must be >= 1 or null")
+    _require(t.epochs >= 1, f"train.epochs={t.epochs} must be >= 1")
+    _require(t.eval_interval >= 0, f"train.eval_interval={t.eval_interval} must be >= 0")
+    _require(
+        t.exit_at_step is None or t.exit_at_step >= 1, f"train.exit_at_step={t.exit_at_step} must be >= 1 or null"
+    )
+    _require(d.max_seq_len >= 2, f"data.max_seq_len={d.max_seq_len} must be >= 2")
+    _require(
+        d.max_prompt_len is None or 1 <= d.max_prompt_len <= d.max_seq_len,
+        f"data.max_prompt_len={d.max_prompt_len} must be between 1 and data.max_seq_len={d.max_seq_len}",
+    )
+    _require(0 <= d.max_bad_fraction <= 1, f"data.max_bad_fraction={d.max_bad_fraction} must be in [0, 1]")
+    _require(0 <= d.eval_fraction < 1, f"data.eval_fraction={d.eval_fraction} must be in [0, 1)")
+    _require(
+        not (d.eval_path and d.eval_fraction > 0),
+        "set only one of data.eval_path and data.eval_fraction (the held-out data would be ambiguous)",
+    )
+    _require(d.num_proc >= 1, f"data.num_proc={d.num_proc} must be >= 1")
+    _require(d.train_path is not None, "data.train_path is not set: give a jsonl/json/parquet/arrow file")
+    for key in ("train_path", "eval_path"):
+        p = getattr(d, key)
+        _require(p is None or _paths_exist(p), f"data.{key}: '{p}' not found (no file or glob match)")
+    tok = cfg.tokenizer.path
+    _require(tok is not None, "tokenizer.path is not set: give a local HF tokenizer directory")
+    _require(os.path.isdir(tok), f"tokenizer.path: '{tok}' is not a directory (a local HF tokenizer dir is needed)")
+    _require(c.save_interval >= 0, f"checkpoint.save_interval={c.save_interval} must be >= 0")
+    _require(c.keep_last >= 1, f"checkpoint.keep_last={c.keep_last} must be >= 1")
+    _require(log.log_interval >= 1, f"logging.log_interval={log.log_interval} must be >= 1")
+    for name in ("tp", "pp", "cp"):
+        v = getattr(cfg.parallel, name)
+        _require(v >= 1, f"parallel.{name}={v} must be >= 1")
+    m = cfg.model
+    _require(
+        m.params_dtype in ("float32", "bfloat16", "float16"),
+        f"model.params_dtype={m.params_dtype!r} is not one of: float32, bfloat16, float16",
+    )
+    _require(
+        m.hidden_size % m.num_attention_heads == 0 or m.kv_channels is not None,
+        f"model.hidden_size={m.hidden_size} is not divisible by model.num_attention_heads={m.num_attention_heads}: "
+        "set model.kv_channels",
+    )
+    _require(
+        m.num_attention_heads % m.num_query_groups == 0,
+        f"model.num_attention_heads={m.num_attention_heads} is not divisible by "
+        f"model.num_query_groups={m.num_query_groups}",
+    )
+    if isinstance(cfg, RMConfig):
+        cal = cfg.calibration
+        _require(cal.num_prompts >= 1, f"calibration.num_prompts={cal.num_prompts} must be >= 1")
+        _require(cal.batch_size >= 1, f"calibration.batch_size={cal.batch_size} must be >= 1")
+        _require(cal.max_new_tokens >= 1, f"calibration.max_new_tokens={cal.max_new_tokens} must be >= 1")
+        _require(cal.temperature > 0, f"calibration.temperature={cal.temperature} must be > 0")
+        p = cal.prompts_path
+        _require(p is None or _paths_exist(p), f"calibration.prompts_path: '{p}' not found")
+
+
+def check_batch_layout(train: TrainConfig, dp_size: int) -> int:
+    """Number of micro-batches per step on each rank; `ConfigError` if the batch does not split evenly."""
+    per_step = train.micro_batch_size * dp_size
+    if train.global_batch_size % per_step != 0:
+        raise ConfigError(
+            f"train.global_batch_size={train.global_batch_size} is not divisible by micro_batch_size * "
+            f"data-parallel size = {train.micro_batch_size}*{dp_size} = {per_step}: change one of them"
+        )
+    return train.global_batch_size // per_step
+
+
+def total_train_steps(train: TrainConfig, steps_per_epoch: int) -> int:
+    """`train.train_steps` when set, else `train.epochs * steps_per_epoch`."""
+    return train.train_steps if train.train_steps is not None else train.epochs * steps_per_epoch
+
+
+# --------------------------------------------------------------------------------------------
+# Output and help
+# --------------------------------------------------------------------------------------------
+
+
+def to_yaml(cfg: Any) -> str:
+    """The config as YAML text (loadable again with `load_config`)."""
+    from omegaconf import OmegaConf
+
+    return OmegaConf.to_yaml(OmegaConf.structured(cfg))
+
+
+def save_resolved(cfg: Any, run_dir: str) -> str:
+    """Write `<run_dir>/config.yaml` (atomically) and return its path."""
+    os.makedirs(run_dir, exist_ok=True)
+    path = os.path.join(run_dir, "config.yaml")
+    tmp = path + ".tmp"
+    with open(tmp, "w") as fh:
+        fh.write(to_yaml(cfg))
+    os.replace(tmp, path)
+    return path
+
+
+def describe(cls: type) -> str:
+    """Human-readable list of the groups and fields of `cls`, with types, defaults and help."""
+    lines = []
+    defaults = cls()
+    for group, tp in _dc_fields(cls).items():
+        inner, _ = _unwrap_optional(tp)
+        if not dataclasses.is_dataclass(inner):
+            continue
+        doc = (inner.__doc__ or "").strip().splitlines()[0] if inner.__doc__ else ""
+        if doc.startswith(f"{inner.__name__}("):  # dataclass auto-doc: not helpful
+            doc = ""
+        lines.append(f"{group}:" + (f"  # {doc}" if doc else ""))
+        obj = getattr(defaults, group)
+        hints = _dc_fields(inner)
+        for f in dataclasses.fields(inner):
+            default = getattr(obj, f.name)
+            shown = "null" if default is None else repr(default) if isinstance(default, str) else default
+            help_text = f.metadata.get("help") or _EXTERNAL_HELP.get(f"{group}.{f.name}", "")
+            choices = f.metadata.get("choices")
+            if choices:
+                help_text += " [" + "|".join("null" if c is None else str(c) for c in choices) + "]"
+            left = f"  {group}.{f.name} ({_type_name(hints[f.name])}) = {shown}"
+            lines.append(f"{left:<58} {help_text}".rstrip())
+    return "\n".join(lines)

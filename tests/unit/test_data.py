@@ -1,0 +1,432 @@
+"""Datasets: row validation and counting, truncation, chat masking, formats, collation, sampler."""
+
+import json
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from megatron_rlhf import data as D
+from megatron_rlhf.config import DataConfig
+from megatron_rlhf.tasks import sort_digits
+
+
+@pytest.fixture(scope="module")
+def tok():
+    return sort_digits.build_tokenizer()
+
+
+def write_lines(path, rows):
+    """rows: dicts (dumped as JSON) or raw strings (written as is, e.g. broken JSON)."""
+    with open(path, "w") as fh:
+        for r in rows:
+            fh.write((r if isinstance(r, str) else json.dumps(r)) + "\n")
+    return str(path)
+
+
+def cfg(**kw):
+    kw.setdefault("max_bad_fraction", 0.0)
+    kw.setdefault("seed", 0)
+    return DataConfig(**kw)
+
+
+def ids(tok, text, special=False):
+    return tok(text, add_special_tokens=special)["input_ids"]
+
+
+# ---------------------------------------------------------------------------------------------
+# SFT rows
+# ---------------------------------------------------------------------------------------------
+
+
+def test_sft_prompt_response_tokens_and_mask(tmp_path, tok):
+    path = write_lines(tmp_path / "a.jsonl", [{"prompt": "sort 3 1 2 =", "response": "1 2 3"}])
+    ds, report = D.load_examples("sft", cfg(), tok, path, log=None)
+    row = ds[0]
+    prompt = ids(tok, "sort 3 1 2 =", special=True)
+    response = ids(tok, "1 2 3") + [tok.eos_token_id]
+    assert prompt[0] == tok.bos_token_id
+    assert row["input_ids"] == prompt + response
+    assert row["loss_mask"] == [0] * len(prompt) + [1] * len(response)
+    assert (report.total, report.kept, report.num_bad) == (1, 1, 0)
+
+
+def test_malformed_rows_counted_and_skipped(tmp_path, tok):
+    good = [{"prompt": f"sort {d} =", "response": str(d)} for d in range(10)]
+    bad = [
+        {"prompt": "sort 1 ="},  # missing response
+        {"prompt": "sort 1 =", "response": None},  # null counts as missing
+        {"prompt": "   ", "response": "1"},  # empty prompt
+        {"prompt": "sort 1 =", "response": 5},  # wrong type
+        {"prompt": ["sort"], "response": "1"},  # wrong type
+        '{"prompt": "sort 1 =", "response": ',  # broken JSON
+        "[1, 2]",  # not an object
+        {"prompt": "sort 1 =", "response": "banana"},  # word the tokenizer does not know
+    ]
+    path = write_lines(tmp_path / "mixed.jsonl", good[:5] + bad + good[5:] + [""])  # blank lines are ignored
+    logged = []
+    ds, report = D.load_examples("sft", cfg(max_bad_fraction=0.5), tok, path, log=logged.append)
+    assert len(ds) == report.kept == len(good)
+    assert report.total == len(good) + len(bad)
+    assert report.bad == {
+        "missing response": 2,
+        "empty prompt": 1,
+        "wrong type response": 1,
+        "wrong type prompt": 1,
+        "invalid JSON": 1,
+        "not a JSON object": 1,
+        "tokenizer error (Exception)": 1,
+    }
+    # the kept rows are the good ones, in order
+    assert [r["input_ids"][2] for r in ds] == [ids(tok, str(d))[0] for d in range(10)]
+    assert len(logged) == 1 and "\n" not in logged[0]
+    assert f"{len(bad)} malformed" in logged[0] and "missing response: 2" in logged[0]
+
+
+def test_bad_fraction_over_the_limit_stops(tmp_path, tok):
+    rows = [{"prompt": "sort 1 =", "response": "1"}] * 8 + [{"prompt": "sort 1 ="}] * 2
+    path = write_lines(tmp_path / "b.jsonl", rows)
+    D.load_examples("sft", cfg(max_bad_fraction=0.2), tok, path, log=None)  # 20% is allowed
+    with pytest.raises(D.DataError) as info:
+        D.load_examples("sft", cfg(max_bad_fraction=0.1), tok, path, log=None)
+    message = str(info.value)
+    assert "\n" not in message and "2 of 10" in message and "max_bad_fraction=0.1" in message
+    assert "missing response: 2" in message and path in message
+
+
+def test_custom_field_names(tmp_path, tok):
+    path = write_lines(tmp_path / "c.jsonl", [{"q": "sort 2 1 =", "a": "1 2"}])
+    ds, _ = D.load_examples("sft", cfg(prompt_field="q", response_field="a"), tok, path, log=None)
+    assert len(ds) == 1
+    with pytest.raises(D.DataError, match="missing prompt"):
+        D.load_examples("sft", cfg(), tok, path, log=None)
+
+
+@pytest.mark.parametrize("overlong", ["truncate", "drop"])
+def test_overlong_truncate_vs_drop(tmp_path, tok, overlong):
+    max_len = 9
+    rows = []
+    for n in range(1, 9):  # prompt: bos sort d*n = (n + 3) tokens; response: n digits + eos
+        digits = " ".join(["1"] * n)
+        rows.append({"prompt": f"sort {digits} =", "response": digits})
+    path = write_lines(tmp_path / "long.jsonl", rows)
+    lengths = [(n + 3, 2 * n + 4) for n in range(1, 9)]  # (prompt tokens, total tokens)
+    fits = sum(total <= max_len for _, total in lengths)
+    cuttable = sum(total > max_len and p < max_len for p, total in lengths)
+    ds, report = D.load_examples("sft", cfg(max_seq_len=max_len, overlong=overlong), tok, path, log=None)
+    if overlong == "drop":
+        assert (report.truncated, report.dropped_overlong, report.kept) == (0, 8 - fits, fits)
+    else:
+        assert (report.truncated, report.dropped_overlong) == (cuttable, 8 - fits - cuttable)
+        assert report.kept == fits + cuttable
+    assert all(len(r["input_ids"]) <= max_len and sum(r["loss_mask"]) > 0 for r in ds)
+    assert f"{report.truncated} truncated and {report.dropped_overlong} dropped" in report.summary()
+
+
+def test_nothing_usable_is_an_error(tmp_path, tok):
+    path = write_lines(tmp_path / "d.jsonl", [{"prompt": "sort 1 2 3 =", "response": "1 2 3"}])
+    with pytest.raises(D.DataError, match="none of the 1 rows"):
+        D.load_examples("sft", cfg(max_seq_len=4, overlong="drop"), tok, path, log=None)
+
+
+# ---------------------------------------------------------------------------------------------
+# Chat rows
+# ---------------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def chat_tok():
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    words = ["<pad>", "<bos>", "<eos>", "<unk>", "system", "user", "assistant", "<end>"] + [f"w{i}" for i in range(30)]
+    core = Tokenizer(models.WordLevel({w: i for i, w in enumerate(words)}, unk_token="<unk>"))
+    core.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    t = PreTrainedTokenizerFast(tokenizer_object=core, bos_token="<bos>", eos_token="<eos>", pad_token="<pad>", unk_token="<unk>")
+    t.chat_template = (
+        "<bos> {% for m in messages %}{{ m['role'] }} {{ m['content'] }} <end> {% endfor %}"
+        "{% if add_generation_prompt %}assistant {% endif %}"
+    )
+    return t
+
+
+def test_chat_loss_on_assistant_tokens_only(tmp_path, chat_tok):
+    messages = [
+        {"role": "system", "content": "w1"},
+        {"role": "user", "content": "w2 w3"},
+        {"role": "assistant", "content": "w4 w5"},
+        {"role": "user", "content": "w6"},
+        {"role": "assistant", "content": "w7"},
+    ]
+    path = write_lines(tmp_path / "chat.jsonl", [{"messages": messages}])
+    ds, _ = D.load_examples("sft", cfg(), chat_tok, path, log=None)
+    row = ds[0]
+    words = chat_tok.convert_ids_to_tokens(row["input_ids"])
+    learned = [w for w, m in zip(words, row["loss_mask"]) if m]
+    # exactly the assistant contents and their end-of-turn markers
+    assert learned == ["w4", "w5", "<end>", "w7", "<end>"]
+    assert words.count("w2") == 1 and row["loss_mask"][words.index("w2")] == 0
+    assert row["loss_mask"][words.index("assistant")] == 0  # the role header is prompt
+
+
+def test_chat_malformed_rows(tmp_path, chat_tok):
+    ok = {"messages": [{"role": "user", "content": "w1"}, {"role": "assistant", "content": "w2"}]}
+    rows = [
+        ok,
+        {"messages": [{"role": "user", "content": "w1"}]},  # nothing to learn
+        {"messages": []},
+        {"messages": "w1"},
+        {"messages": [{"role": "user"}, {"role": "assistant", "content": "w2"}]},
+    ]
+    path = write_lines(tmp_path / "chat_bad.jsonl", rows)
+    ds, report = D.load_examples("sft", cfg(max_bad_fraction=1.0), chat_tok, path, log=None)
+    assert len(ds) == 1
+    assert report.bad == {
+        "no assistant message": 1,
+        "empty messages": 1,
+        "wrong type messages": 1,
+        "malformed messages (need role and content strings)": 1,
+    }
+
+
+def test_chat_template_that_rewrites_history_is_rejected(tmp_path, chat_tok):
+    import copy
+
+    t = copy.deepcopy(chat_tok)
+    # drops earlier assistant turns from the rendering: renderings are not prefixes of each other
+    t.chat_template = (
+        "<bos> {% for m in messages %}{% if m['role'] != 'assistant' or loop.last %}"
+        "{{ m['role'] }} {{ m['content'] }} <end> {% endif %}{% endfor %}"
+        "{% if add_generation_prompt %}assistant {% endif %}"
+    )
+    msgs = [{"role": "user", "content": "w1"}, {"role": "assistant", "content": "w2"},
+            {"role": "user", "content": "w3"}, {"role": "assistant", "content": "w4"}]
+    path = write_lines(tmp_path / "chat_unstable.jsonl", [{"messages": msgs}])
+    with pytest.raises(D.DataError, match="not prefix-stable"):
+        D.load_examples("sft", cfg(), t, path, log=None)
+
+
+def test_chat_rows_need_a_template(tmp_path, tok):
+    msgs = [{"role": "user", "content": "1"}, {"role": "assistant", "content": "1"}]
+    path = write_lines(tmp_path / "chat.jsonl", [{"messages": msgs}])
+    with pytest.raises(D.DataError, match="no chat template"):
+        D.load_examples("sft", cfg(), tok, path, log=None)
+
+
+# ---------------------------------------------------------------------------------------------
+# Preference and prompt rows
+# ---------------------------------------------------------------------------------------------
+
+
+def test_preference_rows(tmp_path, tok):
+    rows = [
+        {"prompt": "sort 2 1 =", "chosen": "1 2", "rejected": "2"},
+        {"prompt": "sort 2 1 =", "chosen": "1 2", "rejected": "1 2"},  # no signal
+        {"prompt": "sort 2 1 =", "chosen": "1 2"},  # missing rejected
+    ]
+    path = write_lines(tmp_path / "p.jsonl", rows)
+    ds, report = D.load_examples("preference", cfg(max_bad_fraction=1.0), tok, path, log=None)
+    assert len(ds) == 1 and report.bad == {"chosen equals rejected": 1, "missing rejected": 1}
+    row = ds[0]
+    prompt = ids(tok, "sort 2 1 =", special=True)
+    assert row["prompt_len"] == len(prompt)
+    assert row["chosen_ids"] == prompt + ids(tok, "1 2") + [tok.eos_token_id]
+    assert row["rejected_ids"] == prompt + ids(tok, "2") + [tok.eos_token_id]
+
+
+def test_preference_truncation_that_removes_the_difference_drops(tmp_path, tok):
+    rows = [{"prompt": "sort 2 1 =", "chosen": "1 2 3", "rejected": "1 2 4"}]  # 5 prompt tokens; differ at index 7
+    path = write_lines(tmp_path / "p.jsonl", rows)
+    ds, report = D.load_examples("preference", cfg(max_seq_len=8), tok, path, log=None)
+    assert report.truncated == 1 and len(ds[0]["chosen_ids"]) == 8
+    assert ds[0]["chosen_ids"] != ds[0]["rejected_ids"]
+    with pytest.raises(D.DataError, match="none of the 1 rows"):
+        D.load_examples("preference", cfg(max_seq_len=7), tok, path, log=None)
+
+
+def test_prompt_rows_truncate_from_the_left(tmp_path, tok):
+    path = write_lines(tmp_path / "q.jsonl", [{"prompt": "sort 1 2 3 4 5 ="}, {"prompt": "sort 1 ="}])
+    ds, report = D.load_examples("prompt", cfg(max_seq_len=32, max_prompt_len=5), tok, path, log=None)
+    assert report.truncated == 1
+    assert ds[0]["prompt_ids"] == ids(tok, "sort 1 2 3 4 5 =", special=True)[-5:]
+    assert ds[1]["prompt_ids"] == ids(tok, "sort 1 =", special=True)
+
+
+# ---------------------------------------------------------------------------------------------
+# Formats
+# ---------------------------------------------------------------------------------------------
+
+
+def test_formats_give_the_same_examples(tmp_path, tok):
+    import datasets
+
+    rows = [{"prompt": f"sort {a} {b} =", "response": f"{min(a, b)} {max(a, b)}"} for a in range(4) for b in range(3)]
+    jsonl = write_lines(tmp_path / "x.jsonl", rows)
+    (tmp_path / "x.json").write_text(json.dumps(rows))
+    raw = datasets.Dataset.from_list(rows)
+    raw.to_parquet(str(tmp_path / "x.parquet"))
+    raw.save_to_disk(str(tmp_path / "saved"))
+    expected = D.load_examples("sft", cfg(), tok, jsonl, log=None)[0]["input_ids"]
+    for path in ("x.json", "x.parquet", "saved"):
+        got = D.load_examples("sft", cfg(), tok, str(tmp_path / path), log=None)[0]["input_ids"]
+        assert got == expected, path
+    # a glob over two files concatenates them in sorted order
+    write_lines(tmp_path / "y.jsonl", rows[:3])
+    both = D.load_examples("sft", cfg(), tok, str(tmp_path / "*.jsonl"), log=None)[0]
+    assert len(both) == len(rows) + 3
+    with pytest.raises(D.DataError, match="data.format"):
+        (tmp_path / "x.csv").write_text("a,b\n")
+        D.read_rows(str(tmp_path / "x.csv"))
+
+
+def test_parquet_wrongly_typed_column_is_bad_rows(tmp_path, tok):
+    import datasets
+
+    datasets.Dataset.from_list([{"prompt": "sort 1 =", "response": 1}] * 3).to_parquet(str(tmp_path / "t.parquet"))
+    with pytest.raises(D.DataError, match="wrong type response: 3"):
+        D.load_examples("sft", cfg(), tok, str(tmp_path / "t.parquet"), log=None)
+
+
+def test_eval_fraction_split_is_seeded_and_disjoint(tmp_path, tok):
+    rows = [{"prompt": f"sort {i % 10} {i // 10} =", "response": f"{i % 10}"} for i in range(50)]
+    path = write_lines(tmp_path / "s.jsonl", rows)
+    a = D.load_splits("sft", cfg(train_path=path, eval_fraction=0.2), tok, log=None)
+    b = D.load_splits("sft", cfg(train_path=path, eval_fraction=0.2), tok, log=None)
+    c = D.load_splits("sft", cfg(train_path=path, eval_fraction=0.2, seed=1), tok, log=None)
+    key = lambda ds: [tuple(r["input_ids"]) for r in ds]  # noqa: E731
+    assert len(a.eval) == 10 and len(a.train) == 40
+    assert key(a.eval) == key(b.eval) and key(a.eval) != key(c.eval)
+    assert not set(key(a.eval)) & set(key(a.train))
+
+
+# ---------------------------------------------------------------------------------------------
+# Collation
+# ---------------------------------------------------------------------------------------------
+
+
+def test_collate_sft_shifts_targets_and_pads_right():
+    examples = [{"input_ids": [1, 5, 6, 7], "loss_mask": [0, 0, 1, 1]}, {"input_ids": [1, 8], "loss_mask": [0, 1]}]
+    b = D.collate_sft(examples, pad_id=0)
+    assert b["input_ids"].tolist() == [[1, 5, 6, 7], [1, 8, 0, 0]]
+    assert b["labels"].tolist() == [[5, 6, 7, 0], [8, 0, 0, 0]]
+    # the loss at t predicts token t+1, so it is on where token t+1 is a response token
+    assert b["loss_mask"].tolist() == [[0, 1, 1, 0], [1, 0, 0, 0]]
+    assert b["loss_mask"].dtype == torch.float32
+    assert b["attention_mask"].tolist() == [[True] * 4, [True, True, False, False]]
+    assert b["lengths"].tolist() == [4, 2] and b["position_ids"][1].tolist() == [0, 1, 2, 3]
+    assert D.collate_sft(examples, pad_id=0, multiple_of=3)["input_ids"].shape == (2, 6)
+    assert D.collate_sft(examples, pad_id=0, pad_to=8)["labels"].shape == (2, 8)
+    with pytest.raises(ValueError, match="pad_to=3"):
+        D.collate_sft(examples, pad_id=0, pad_to=3)
+
+
+def test_collate_preference_stacks_chosen_then_rejected():
+    examples = [
+        {"chosen_ids": [1, 2, 3], "rejected_ids": [1, 2], "prompt_len": 1},
+        {"chosen_ids": [1, 4], "rejected_ids": [1, 5, 6, 7], "prompt_len": 1},
+    ]
+    b = D.collate_preference(examples, pad_id=0)
+    assert b["input_ids"].tolist() == [[1, 2, 3, 0], [1, 4, 0, 0], [1, 2, 0, 0], [1, 5, 6, 7]]
+    assert b["lengths"].tolist() == [3, 2, 2, 4] and b["prompt_lens"].tolist() == [1, 1]
+    last = b["input_ids"].gather(1, (b["lengths"] - 1).unsqueeze(1)).squeeze(1)
+    assert last.tolist() == [3, 4, 2, 7]
+
+
+def test_collate_prompts_left_pads():
+    b = D.collate_prompts([{"prompt_ids": [1, 3, 4]}, {"prompt_ids": [1, 5]}], pad_id=0)
+    assert b["input_ids"].tolist() == [[1, 3, 4], [0, 1, 5]]
+    assert b["attention_mask"].tolist() == [[True, True, True], [False, True, True]]
+    assert b["position_ids"].tolist() == [[0, 1, 2], [0, 0, 1]]
+
+
+def test_microbatches_split_this_ranks_share(tmp_path, tok):
+    rows = [{"prompt": f"sort {i} =", "response": f"{i}"} for i in range(8)]
+    ds, _ = D.load_examples("sft", cfg(), tok, write_lines(tmp_path / "m.jsonl", rows), log=None)
+    mbs = D.microbatches(ds, [5, 1, 2, 7], 2, D.collate_sft, pad_id=tok.pad_token_id)
+    assert len(mbs) == 2 and mbs[0]["input_ids"].shape[0] == 2
+    assert mbs[0]["input_ids"][0].tolist() == ds[5]["input_ids"]
+    with pytest.raises(ValueError):
+        D.microbatches(ds, [1, 2, 3], 2, D.collate_sft, pad_id=0)
+
+
+# ---------------------------------------------------------------------------------------------
+# Sampler
+# ---------------------------------------------------------------------------------------------
+
+
+def take(sampler, n):
+    return [next(sampler) for _ in range(n)]
+
+
+@settings(max_examples=40, deadline=None)
+@given(n=st.integers(8, 200), per_rank=st.integers(1, 8), dp=st.sampled_from([1, 2, 4]), seed=st.integers(0, 99))
+def test_sampler_covers_each_index_once_per_epoch_across_ranks(n, per_rank, dp, seed):
+    gbs = per_rank * dp
+    if gbs > n:
+        return
+    ranks = [D.ShardedBatchSampler(n, gbs, r, dp, seed=seed) for r in range(dp)]
+    steps = ranks[0].steps_per_epoch
+    assert steps == n // gbs
+    for epoch in range(2):
+        seen = []
+        for _ in range(steps):
+            shares = [next(s) for s in ranks]
+            assert all(len(x) == per_rank for x in shares)
+            seen += [i for share in shares for i in share]
+        assert len(seen) == len(set(seen)) == steps * gbs  # each index at most once, none lost in a batch
+        assert set(seen) <= set(range(n))
+        assert all(s.epoch == epoch and s.step_in_epoch == steps for s in ranks)
+
+
+def test_sampler_reshuffles_per_epoch_and_is_deterministic():
+    a, b = D.ShardedBatchSampler(40, 10, seed=3), D.ShardedBatchSampler(40, 10, seed=3)
+    first, second = take(a, 4), take(a, 4)
+    assert first == take(b, 4)
+    assert sorted(sum(first, [])) == list(range(40)) == sorted(sum(second, []))
+    assert first != second  # a new permutation each epoch
+    assert take(D.ShardedBatchSampler(40, 10, seed=4), 4) != first
+    assert take(D.ShardedBatchSampler(40, 10, shuffle=False), 1) == [list(range(10))]
+
+
+@pytest.mark.parametrize("consumed", [0, 3, 4, 5, 11])  # includes epoch boundaries (4 steps per epoch)
+def test_sampler_resume_continues_exactly(consumed):
+    straight = D.ShardedBatchSampler(45, 10, dp_rank=1, dp_size=2, seed=7)
+    expected = take(straight, consumed + 9)[consumed:]
+    first = D.ShardedBatchSampler(45, 10, dp_rank=1, dp_size=2, seed=7)
+    take(first, consumed)
+    state = json.loads(json.dumps(first.state_dict()))  # survives serialisation
+    resumed = D.ShardedBatchSampler(45, 10, dp_rank=1, dp_size=2, seed=7)
+    resumed.load_state_dict(state)
+    assert resumed.consumed_steps == consumed
+    assert take(resumed, 9) == expected
+
+
+def test_sampler_resume_at_another_dp_size_keeps_global_batches():
+    two = [D.ShardedBatchSampler(30, 6, r, 2, seed=1) for r in range(2)]
+    for s in two:
+        take(s, 2)
+    one = D.ShardedBatchSampler(30, 6, 0, 1, seed=1)
+    one.load_state_dict(two[0].state_dict())
+    assert take(one, 1)[0] == next(two[0]) + next(two[1])
+
+
+def test_sampler_errors():
+    with pytest.raises(D.DataError, match="fewer than one global batch"):
+        D.ShardedBatchSampler(5, 8)
+    with pytest.raises(D.DataError, match="not divisible"):
+        D.ShardedBatchSampler(50, 9, 0, 2)
+    s = D.ShardedBatchSampler(50, 10, seed=1)
+    with pytest.raises(D.DataError, match="dataset_size=60"):
+        s.load_state_dict({**s.state_dict(), "dataset_size": 60})
+
+
+@pytest.mark.parametrize("n, gbs, dp", [(10, 4, 2), (7, 4, 4), (3, 8, 2), (12, 4, 1)])
+def test_eval_batches_cover_every_index_once(n, gbs, dp):
+    got = []
+    per_rank = [list(D.eval_batches(n, gbs, r, dp)) for r in range(dp)]
+    assert len({len(x) for x in per_rank}) == 1  # same number of batches on every rank
+    for r in range(dp):
+        for batch in per_rank[r]:
+            got += batch
+    assert sorted(got) == list(range(n))
