@@ -44,20 +44,21 @@ def make_forward_step(loss_fn: LossFn, model_kwargs: Callable[[Batch], dict] | N
     return forward_step
 
 
-def reduce_stats(per_microbatch: List[dict]) -> Dict[str, float]:
+def reduce_stats(per_microbatch: List[dict], names: List[str] | None = None) -> Dict[str, float]:
     """Sum `(sum, count)` stats over microbatches and DP ranks; every rank gets the means.
 
     Only the last pipeline stage has loss outputs; the result is broadcast along the pipeline.
+    Pass `names` when some data-parallel rank may have no microbatches (evaluation tails).
     """
     from megatron.core import parallel_state as ps
 
-    names = sorted(per_microbatch[0]) if per_microbatch else []
-    # Every rank needs the same names: agree on them over the pipeline group first.
     pp_group = ps.get_pipeline_model_parallel_group()
     last = ps.get_pipeline_model_parallel_last_rank()
-    names_box = [names]
-    torch.distributed.broadcast_object_list(names_box, src=last, group=pp_group)
-    names = names_box[0]
+    if names is None:
+        # Every rank needs the same names: agree on them over the pipeline group first.
+        names_box = [sorted(per_microbatch[0]) if per_microbatch else []]
+        torch.distributed.broadcast_object_list(names_box, src=last, group=pp_group)
+        names = names_box[0]
     if not names:
         return {}
     buf = torch.zeros(len(names), 2, dtype=torch.float64)

@@ -1,0 +1,244 @@
+"""Distributed, atomic, resumable training checkpoints.
+
+Layout under the checkpoint root:
+
+    step_00000040/            one complete checkpoint (Megatron `torch_dist` + per-rank RNG files)
+        rng/rank00000.pt      torch CPU (and CUDA) generator states of each rank
+        ...
+    latest                    text file naming the newest complete checkpoint; written last
+
+A checkpoint is written into `.tmp-step_XXXXXXXX`, renamed when every rank has finished, and
+only then does `latest` move (atomic `os.replace`). A crash at any point leaves the previous
+checkpoint valid and `latest` pointing to it. The last `keep_last` checkpoints are kept.
+
+What is saved: each named model (all its chunks), each named optimizer (fully reshardable, so a
+run may resume under another layout) and scheduler, plus `extra`: any picklable state that is
+the same on every rank (step, data cursor, KL controller, ...). RNG states are per rank.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+from pathlib import Path
+from typing import Any, Dict, List, Optional
+
+import torch
+
+LATEST = "latest"
+_PREFIX = "step_"
+_TMP_PREFIX = ".tmp-"
+
+
+class CheckpointError(RuntimeError):
+    """A checkpoint that cannot be used; the message names the path and what to do."""
+
+
+def _unwrap(chunk):
+    return chunk.module if hasattr(chunk, "module") else chunk
+
+
+def _rank() -> int:
+    return torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
+
+
+def _barrier() -> None:
+    if torch.distributed.is_initialized():
+        torch.distributed.barrier()
+
+
+def step_dir_name(step: int) -> str:
+    return f"{_PREFIX}{step:08d}"
+
+
+def _model_state(chunks, name: str, exclude: str | None = None) -> dict:
+    """Sharded state of one model. Tensor keys carry `name.` so several models share a checkpoint."""
+    state = {}
+    for i, c in enumerate(chunks):
+        sd = _unwrap(c).sharded_state_dict(prefix=f"{name}.")
+        state[f"chunk{i}"] = {k: v for k, v in sd.items() if exclude is None or exclude not in k}
+    return state
+
+
+def _load_into(chunks, model_sd: dict, name: str, strict: bool = True) -> None:
+    cut = len(name) + 1
+    for i, chunk in enumerate(chunks):
+        _unwrap(chunk).load_state_dict({k[cut:]: v for k, v in model_sd[f"chunk{i}"].items()}, strict=strict)
+
+
+_OPT_METADATA = {"distrib_optim_sharding_type": "fully_reshardable"}
+
+
+def _sharded_state(models, optimizers, schedulers, extra, is_loading: bool) -> dict:
+    state: Dict[str, Any] = {}
+    for name, chunks in models.items():
+        model_sd = _model_state(chunks, name)
+        state[f"model.{name}"] = model_sd
+        if name in optimizers:
+            state[f"optimizer.{name}"] = optimizers[name].sharded_state_dict(
+                model_sd, is_loading=is_loading, metadata=_OPT_METADATA
+            )
+    for name, sched in schedulers.items():
+        state[f"scheduler.{name}"] = sched.state_dict()
+    state["extra"] = extra
+    return state
+
+
+def _rng_state() -> dict:
+    from megatron.core.tensor_parallel import get_cuda_rng_tracker
+
+    state = {"torch": torch.get_rng_state(), "tracker": get_cuda_rng_tracker().get_states()}
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state()
+    return state
+
+
+def save_checkpoint(
+    root: str | os.PathLike,
+    step: int,
+    models: Dict[str, List[torch.nn.Module]],
+    optimizers: Dict[str, Any],
+    schedulers: Dict[str, Any],
+    extra: Dict[str, Any],
+    keep_last: int = 2,
+) -> Path:
+    """Write checkpoint `step` atomically on all ranks (collective). Returns the final directory."""
+    from megatron.core import dist_checkpointing
+
+    root = Path(root)
+    final = root / step_dir_name(step)
+    tmp = root / f"{_TMP_PREFIX}{step_dir_name(step)}"
+    if _rank() == 0:
+        root.mkdir(parents=True, exist_ok=True)
+        if tmp.exists():  # left by an earlier crash
+            shutil.rmtree(tmp)
+        tmp.mkdir(parents=True)
+    _barrier()
+    state = _sharded_state(models, optimizers, schedulers, dict(extra, step=step), is_loading=False)
+    dist_checkpointing.save(state, str(tmp))
+    (tmp / "rng").mkdir(exist_ok=True)
+    torch.save(_rng_state(), tmp / "rng" / f"rank{_rank():05d}.pt")
+    _fault_point("after_shards", step)
+    _barrier()
+    if _rank() == 0:
+        if final.exists():
+            shutil.rmtree(final)
+        os.replace(tmp, final)
+        _write_latest(root, final.name)
+        _prune(root, keep_last)
+    _barrier()
+    return final
+
+
+def _fault_point(name: str, step: int) -> None:
+    """Test hook: MEGATRON_RLHF_CRASH_AT=<name>:<step> kills this process there, as kill -9 would."""
+    if os.environ.get("MEGATRON_RLHF_CRASH_AT") == f"{name}:{step}":
+        import signal
+
+        os.kill(os.getpid(), signal.SIGKILL)
+
+
+def _write_latest(root: Path, name: str) -> None:
+    tmp = root / f"{LATEST}.tmp"
+    with open(tmp, "w") as f:
+        f.write(name + "\n")
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, root / LATEST)
+
+
+def _prune(root: Path, keep_last: int) -> None:
+    if keep_last <= 0:
+        return
+    done = sorted(p for p in root.iterdir() if p.is_dir() and p.name.startswith(_PREFIX))
+    for old in done[:-keep_last]:
+        shutil.rmtree(old, ignore_errors=True)
+
+
+def latest_checkpoint(root: str | os.PathLike) -> Optional[Path]:
+    """The directory `latest` names, None when there is no checkpoint yet; raises if it is broken."""
+    root = Path(root)
+    pointer = root / LATEST
+    if not pointer.exists():
+        return None
+    name = pointer.read_text().strip()
+    path = root / name
+    if not name or not path.is_dir():
+        raise CheckpointError(
+            f"{pointer} names {name!r}, which is not a checkpoint directory: fix or delete {pointer}"
+        )
+    if not (path / "metadata.json").exists():
+        raise CheckpointError(
+            f"checkpoint {path} is incomplete (no metadata.json): point {pointer} at an older step_* directory"
+        )
+    return path
+
+
+def load_checkpoint(
+    path: str | os.PathLike,
+    models: Dict[str, List[torch.nn.Module]],
+    optimizers: Dict[str, Any],
+    schedulers: Dict[str, Any],
+    load_rng: bool = True,
+) -> Dict[str, Any]:
+    """Load a checkpoint written by `save_checkpoint` into the given objects (collective).
+
+    Models may be built under another layout than the one that saved (Megatron reshards at load).
+    Returns `extra` (with `step`).
+    """
+    from megatron.core import dist_checkpointing
+
+    path = Path(path)
+    template = _sharded_state(models, optimizers, schedulers, {}, is_loading=True)
+    try:
+        loaded = dist_checkpointing.load(template, str(path))
+    except Exception as e:  # noqa: BLE001 - re-raised with the path and a remedy
+        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise CheckpointError(f"cannot load checkpoint {path}: {first}") from e
+    for name, chunks in models.items():
+        _load_into(chunks, loaded[f"model.{name}"], name)
+        if name in optimizers:
+            optimizers[name].load_state_dict(loaded[f"optimizer.{name}"])
+    for name, sched in schedulers.items():
+        sched.load_state_dict(loaded[f"scheduler.{name}"])
+    rng_file = path / "rng" / f"rank{_rank():05d}.pt"
+    if load_rng and rng_file.exists():
+        rng = torch.load(rng_file, weights_only=True)
+        torch.set_rng_state(rng["torch"])
+        from megatron.core.tensor_parallel import get_cuda_rng_tracker
+
+        get_cuda_rng_tracker().set_states(rng["tracker"])
+        if "cuda" in rng and torch.cuda.is_available():
+            torch.cuda.set_rng_state(rng["cuda"])
+    return loaded["extra"]
+
+
+def resolve_checkpoint_dir(path: str | os.PathLike) -> Path:
+    """A checkpoint root (follows `latest`) or one step directory -> the step directory."""
+    path = Path(path)
+    if (path / LATEST).exists():
+        return latest_checkpoint(path)
+    if (path / "metadata.json").exists():
+        return path
+    raise CheckpointError(
+        f"{path} is neither a checkpoint root (with a '{LATEST}' file) nor a checkpoint directory "
+        "(with metadata.json): pass the directory a training stage or the converter wrote"
+    )
+
+
+def load_model_weights(path: str | os.PathLike, chunks, source_name: str, skip_head: bool = False) -> None:
+    """Initialise `chunks` from the model `source_name` of a checkpoint, without optimizer state.
+
+    `skip_head=True` leaves the output layer as built (a reward model started from an SFT policy
+    gets a fresh scalar head). The model may use another TP/PP layout than the one that saved.
+    """
+    from megatron.core import dist_checkpointing
+
+    step_dir = resolve_checkpoint_dir(path)
+    template = _model_state(chunks, source_name, exclude="output_layer" if skip_head else None)
+    try:
+        loaded = dist_checkpointing.load({"m": template}, str(step_dir))
+    except Exception as e:  # noqa: BLE001
+        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise CheckpointError(f"cannot load model '{source_name}' from {step_dir}: {first}") from e
+    _load_into(chunks, loaded["m"], source_name, strict=not skip_head)

@@ -1,0 +1,59 @@
+"""Stage 2, the Bradley-Terry reward model: the SFT backbone with a scalar head, trained on pairs.
+
+A batch holds b chosen rows then b rejected rows (data.collate_preference); the score of a
+sequence is the head's output at its last real token.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from megatron_rlhf.algo.losses import bradley_terry
+from megatron_rlhf.trainer.loop import Stage, run_stage
+
+
+def last_token_scores(output: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
+    """output [n, s, 1] per-token scores, lengths [n] -> [n] score at position lengths-1."""
+    return output.squeeze(-1).gather(1, (lengths - 1).clamp(min=0).unsqueeze(1)).squeeze(1).float()
+
+
+def rm_loss(output, batch):
+    scores = last_token_scores(output, batch["lengths"])
+    b = scores.shape[0] // 2
+    loss_mean, accuracy = bradley_terry(scores[:b], scores[b:])
+    n = torch.tensor(float(b))
+    loss_sum = loss_mean * n
+    return loss_sum, n, {
+        "loss": (loss_sum.detach(), n),
+        "accuracy": (accuracy * n, n),
+        "score_margin": ((scores[:b] - scores[b:]).detach().sum(), n),
+    }
+
+
+def calibration_pass(cfg, chunks, tokenizer, dp_rank, dp_size, log):
+    """Mean/std of this RM's scores on SFT-policy samples, stored as `reward_calibration`."""
+    if not cfg.calibration.enabled:
+        return {}
+    from megatron_rlhf.trainer.calibration import calibrate
+
+    stats = calibrate(cfg, chunks, tokenizer, dp_rank, dp_size, log)
+    if log:
+        log(f"reward calibration: mean {stats['mean']:.4f} std {stats['std']:.4f} over "
+            f"{stats['num_samples']} SFT samples ({stats['ended_fraction']:.0%} ended with EOS)")
+    return {"reward_calibration": stats}
+
+
+STAGE = Stage(
+    name="reward",
+    data_kind="preference",
+    head="scalar",
+    loss_fn=rm_loss,
+    stat_names=["accuracy", "loss", "score_margin"],
+    init_source="policy",
+    finalize=calibration_pass,
+)
+
+
+def run(cfg):
+    """`megatron-rlhf rm`: returns held-out metrics (loss, accuracy, score_margin)."""
+    return run_stage(cfg, STAGE)

@@ -1,0 +1,166 @@
+"""Stages 1-2 end to end on CPU: SFT and RM learn, TensorBoard tags, exact resume (also at TP=2),
+kill -9 during a save, and SIGTERM -> checkpoint -> exit 0 -> resume."""
+
+import json
+import os
+import random
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from megatron_rlhf.metrics import read_jsonl
+from megatron_rlhf.tasks import sort_digits
+from tests.distributed.launch import ROOT, child_env, free_port, run_reaped, torchrun
+
+CLI = ROOT / "megatron_rlhf" / "cli.py"
+
+
+@pytest.fixture(scope="module")
+def data(tmp_path_factory):
+    d = tmp_path_factory.mktemp("tiny_data")
+    sort_digits.save_tokenizer(str(d / "tokenizer"))
+    rng = random.Random(0)
+    write = lambda name, rows: (d / name).write_text("".join(json.dumps(r) + "\n" for r in rows))
+    write("sft.jsonl", sort_digits.demonstrations(256, rng))
+    write("sft_eval.jsonl", sort_digits.demonstrations(64, rng))
+
+    # Preference pairs with a known rule: the chosen response uses even digits, the rejected odd ones.
+    def pair():
+        digits = [rng.randrange(10) for _ in range(rng.randint(3, 6))]
+        prompt = sort_digits.make_prompt(digits)
+        n = len(digits)
+        even = " ".join(str(rng.choice([0, 2, 4, 6, 8])) for _ in range(n))
+        odd = " ".join(str(rng.choice([1, 3, 5, 7, 9])) for _ in range(n))
+        return {"prompt": prompt, "chosen": even, "rejected": odd}
+
+    write("pairs.jsonl", [pair() for _ in range(512)])
+    write("pairs_eval.jsonl", [pair() for _ in range(128)])
+    return d
+
+
+def overrides(data, run_dir, kind="sft", **extra):
+    train_file, eval_file = ("sft.jsonl", "sft_eval.jsonl") if kind == "sft" else ("pairs.jsonl", "pairs_eval.jsonl")
+    base = {
+        "model.num_layers": 2, "model.hidden_size": 32, "model.ffn_hidden_size": 64,
+        "model.num_attention_heads": 4, "model.num_query_groups": 2, "model.vocab_size": 17,
+        "model.max_position_embeddings": 32,
+        "tokenizer.path": data / "tokenizer",
+        "data.train_path": data / train_file, "data.eval_path": data / eval_file, "data.max_seq_len": 24,
+        "train.lr": 2e-3 if kind == "sft" else 1e-3, "train.lr_schedule": "constant",
+        "train.global_batch_size": 8, "train.micro_batch_size": 4, "train.train_steps": 6, "train.seed": 3,
+        "logging.run_dir": run_dir, "logging.progress_bar": "false", "logging.log_interval": 1,
+        "checkpoint.save_interval": 2,
+    }
+    if kind == "rm":
+        base["calibration.enabled"] = "false"
+    base.update(extra)
+    return [f"{k}={v}" for k, v in base.items()]
+
+
+def run_cli(kind, args, nproc=1, **kw):
+    return torchrun(CLI, kind, *args, nproc=nproc, **kw)
+
+
+def losses(run_dir):
+    """{step: train/loss}; a resumed run appends to the same file, the last row per step wins."""
+    rows = read_jsonl(os.path.join(run_dir, "metrics.jsonl"))
+    return {r["step"]: r["train/loss"] for r in rows if "train/loss" in r}
+
+
+def test_sft_loss_falls_and_tensorboard_tags(data, tmp_path):
+    run = tmp_path / "sft"
+    run_cli("sft", overrides(data, run, **{"train.train_steps": 40, "train.global_batch_size": 16,
+                                           "checkpoint.save_interval": 0, "train.eval_interval": 20}))
+    curve = losses(run)
+    assert len(curve) == 40
+    first, last = sum(curve[s] for s in (1, 2, 3)) / 3, sum(curve[s] for s in (38, 39, 40)) / 3
+    assert last < 0.75 * first, (first, last)
+
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    acc = EventAccumulator(str(run / "tensorboard"))
+    acc.Reload()
+    tags = set(acc.Tags()["scalars"])
+    for tag in ("train/loss", "train/lr", "train/grad_norm", "eval/loss", "time/step", "perf/tokens_per_step"):
+        assert tag in tags, (tag, sorted(tags))
+    assert (run / "config.yaml").exists()
+    assert (run / "checkpoints" / "latest").read_text().strip() == "step_00000040"
+
+
+def test_rm_learns_a_known_rule(data, tmp_path):
+    run = tmp_path / "rm"
+    run_cli("rm", overrides(data, run, "rm", **{"train.train_steps": 60, "train.global_batch_size": 16,
+                                                "checkpoint.save_interval": 0}))
+    rows = read_jsonl(os.path.join(run, "metrics.jsonl"))
+    evals = [r for r in rows if "eval/accuracy" in r]
+    assert evals, rows[-1]
+    assert evals[-1]["eval/accuracy"] > 0.85, evals[-1]
+
+
+@pytest.mark.parametrize("kind, tp", [("sft", 1), ("sft", 2), ("rm", 2)])
+def test_resume_is_exact(data, tmp_path, kind, tp):
+    straight, split = tmp_path / "straight", tmp_path / "split"
+    extra = {"parallel.tp": tp}
+    run_cli(kind, overrides(data, straight, kind, **extra), nproc=tp)
+    run_cli(kind, overrides(data, split, kind, **extra, **{"train.exit_at_step": 3}), nproc=tp)
+    assert losses(split).keys() == {1, 2, 3}
+    run_cli(kind, overrides(data, split, kind, **extra), nproc=tp)
+    a, b = losses(straight), losses(split)
+    assert sorted(a) == sorted(b) == [1, 2, 3, 4, 5, 6]
+    assert [a[s] for s in range(1, 7)] == [b[s] for s in range(1, 7)]  # bit-exact on CPU
+
+
+def test_kill_9_during_save_keeps_previous_checkpoint(data, tmp_path):
+    straight, crashed = tmp_path / "straight", tmp_path / "crashed"
+    run_cli("sft", overrides(data, straight))
+    proc = run_cli("sft", overrides(data, crashed), env={"MEGATRON_RLHF_CRASH_AT": "after_shards:4"}, check=False)
+    assert proc.returncode != 0
+    ckpts = crashed / "checkpoints"
+    assert (ckpts / "latest").read_text().strip() == "step_00000002"
+    assert (ckpts / ".tmp-step_00000004").is_dir()  # the half-written save never became a checkpoint
+    assert not (ckpts / "step_00000004").exists()
+    proc = run_cli("sft", overrides(data, crashed))
+    assert "resumed from" in proc.stdout and "step_00000002 at step 2" in proc.stdout
+    a, b = losses(straight), losses(crashed)
+    assert [a[s] for s in range(1, 7)] == [b[s] for s in range(1, 7)]
+    assert (ckpts / "latest").read_text().strip() == "step_00000006"
+    assert not (ckpts / ".tmp-step_00000004").exists()
+    assert sorted(p.name for p in ckpts.glob("step_*")) == ["step_00000004", "step_00000006"]  # keep_last=2
+
+
+def test_sigterm_saves_and_exits_zero_then_resumes(data, tmp_path):
+    run = tmp_path / "preempted"
+    args = overrides(data, run, **{"train.train_steps": 100000, "checkpoint.save_interval": 0})
+    env = child_env({"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port())})
+    # A world of one without torchrun, as `srun` would start one task; SIGTERM goes to the trainer itself.
+    log = tmp_path / "preempted.log"
+    proc = subprocess.Popen([sys.executable, str(CLI), "sft", *args], cwd=ROOT, env=env,
+                            stdout=open(log, "w"), stderr=subprocess.STDOUT, start_new_session=True)
+    metrics = run / "metrics.jsonl"
+    deadline = time.time() + 240
+    while time.time() < deadline and proc.poll() is None:
+        if metrics.exists() and len(losses(run)) >= 3:
+            break
+        time.sleep(0.2)
+    assert proc.poll() is None, log.read_text()[-3000:]
+    proc.send_signal(signal.SIGTERM)
+    try:
+        proc.wait(timeout=240)
+    finally:
+        os.killpg(proc.pid, signal.SIGKILL)  # the checkpoint manager's helper processes
+    out = log.read_text()
+    assert proc.returncode == 0, out[-3000:]
+    stopped_at = max(losses(run))
+    assert (run / "checkpoints" / "latest").read_text().strip() == f"step_{stopped_at:08d}"
+    assert "stop requested" in out
+
+    env["MASTER_PORT"] = str(free_port())
+    resumed = run_reaped([sys.executable, str(CLI), "sft", *args, f"train.train_steps={stopped_at + 2}"],
+                         env=env, timeout=300)
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert f"at step {stopped_at}" in resumed.stdout
+    assert max(losses(run)) == stopped_at + 2
