@@ -486,9 +486,11 @@ def read_model_config(directory: str) -> Optional[ModelConfig]:
     candidates.append(os.path.dirname(os.path.abspath(directory)))
     for d in candidates:
         path = os.path.join(d, MODEL_CONFIG_FILE)
-        if os.path.isfile(path):
-            with open(path) as fh:
+        converted = os.path.join(d, "megatron_rlhf_meta.json")  # tools/convert_hf_to_megatron.py
+        if os.path.isfile(path) or os.path.isfile(converted):
+            with open(path if os.path.isfile(path) else converted) as fh:
                 data = json.load(fh)
+            data = data.get("model_config", data)
             known = {f.name for f in dataclasses.fields(ModelConfig)}
             return ModelConfig(**{k: v for k, v in data.items() if k in known})
     return None

@@ -51,17 +51,17 @@ def step_dir_name(step: int) -> str:
     return f"{_PREFIX}{step:08d}"
 
 
-def _model_state(chunks, name: str, exclude: str | None = None) -> dict:
-    """Sharded state of one model. Tensor keys carry `name.` so several models share a checkpoint."""
+def _model_state(chunks, prefix: str, exclude: str | None = None) -> dict:
+    """Sharded state of one model. Tensor keys carry `prefix` ("policy.") so models share a checkpoint."""
     state = {}
     for i, c in enumerate(chunks):
-        sd = _unwrap(c).sharded_state_dict(prefix=f"{name}.")
+        sd = _unwrap(c).sharded_state_dict(prefix=prefix)
         state[f"chunk{i}"] = {k: v for k, v in sd.items() if exclude is None or exclude not in k}
     return state
 
 
-def _load_into(chunks, model_sd: dict, name: str, strict: bool = True) -> None:
-    cut = len(name) + 1
+def _load_into(chunks, model_sd: dict, prefix: str, strict: bool = True) -> None:
+    cut = len(prefix)
     for i, chunk in enumerate(chunks):
         _unwrap(chunk).load_state_dict({k[cut:]: v for k, v in model_sd[f"chunk{i}"].items()}, strict=strict)
 
@@ -72,7 +72,7 @@ _OPT_METADATA = {"distrib_optim_sharding_type": "fully_reshardable"}
 def _sharded_state(models, optimizers, schedulers, extra, is_loading: bool) -> dict:
     state: Dict[str, Any] = {}
     for name, chunks in models.items():
-        model_sd = _model_state(chunks, name)
+        model_sd = _model_state(chunks, f"{name}.")
         state[f"model.{name}"] = model_sd
         if name in optimizers:
             state[f"optimizer.{name}"] = optimizers[name].sharded_state_dict(
@@ -196,7 +196,7 @@ def load_checkpoint(
         first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
         raise CheckpointError(f"cannot load checkpoint {path}: {first}") from e
     for name, chunks in models.items():
-        _load_into(chunks, loaded[f"model.{name}"], name)
+        _load_into(chunks, loaded[f"model.{name}"], f"{name}.")
         if name in optimizers:
             optimizers[name].load_state_dict(loaded[f"optimizer.{name}"])
     for name, sched in schedulers.items():
@@ -226,19 +226,34 @@ def resolve_checkpoint_dir(path: str | os.PathLike) -> Path:
     )
 
 
-def load_model_weights(path: str | os.PathLike, chunks, source_name: str, skip_head: bool = False) -> None:
-    """Initialise `chunks` from the model `source_name` of a checkpoint, without optimizer state.
+# The head each model name carries in training checkpoints.
+HEAD_OF = {"policy": "lm", "reference": "lm", "reward": "scalar", "value": "scalar"}
+CONVERTED_META = "megatron_rlhf_meta.json"  # written by tools/convert_hf_to_megatron.py
 
-    `skip_head=True` leaves the output layer as built (a reward model started from an SFT policy
-    gets a fresh scalar head). The model may use another TP/PP layout than the one that saved.
+
+def load_model_weights(path: str | os.PathLike, chunks, source_name: str, head: str) -> None:
+    """Initialise `chunks` (a model with `head` "lm"|"scalar") from a checkpoint, without optimizer state.
+
+    `path` is a training checkpoint (root or step directory; the model saved as `source_name` is
+    read) or a converted HF checkpoint (its own key prefix and head are read from its metadata).
+    When the source has another head (a reward model started from an SFT policy or a causal LM),
+    the output layer is left as built: a fresh scalar head. Any TP/PP layout loads any checkpoint.
     """
+    import json
+
     from megatron.core import dist_checkpointing
 
     step_dir = resolve_checkpoint_dir(path)
-    template = _model_state(chunks, source_name, exclude="output_layer" if skip_head else None)
+    if (step_dir / CONVERTED_META).exists():
+        meta = json.loads((step_dir / CONVERTED_META).read_text())
+        prefix, source_head = meta.get("key_prefix", ""), meta.get("head", "lm")
+    else:
+        prefix, source_head = f"{source_name}.", HEAD_OF.get(source_name, "lm")
+    skip_head = ("scalar" if source_head in ("scalar", "score") else "lm") != head
+    template = _model_state(chunks, prefix, exclude="output_layer" if skip_head else None)
     try:
         loaded = dist_checkpointing.load({"m": template}, str(step_dir))
     except Exception as e:  # noqa: BLE001
         first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
         raise CheckpointError(f"cannot load model '{source_name}' from {step_dir}: {first}") from e
-    _load_into(chunks, loaded["m"], source_name, strict=not skip_head)
+    _load_into(chunks, loaded["m"], prefix, strict=not skip_head)

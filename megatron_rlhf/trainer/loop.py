@@ -115,8 +115,7 @@ def run_stage(cfg, stage: Stage) -> Dict[str, float]:
     torch.manual_seed(cfg.train.seed)
     chunks = build_model(model_cfg, cfg.parallel, head=stage.head, fp8=cfg.fp8)
     if cfg.model.load:
-        ckpt.load_model_weights(cfg.model.load, chunks, stage.init_source, skip_head=stage.head == "scalar"
-                                and stage.init_source != stage.name)
+        ckpt.load_model_weights(cfg.model.load, chunks, stage.init_source, stage.head)
     chunks = wrap_ddp(chunks, cfg.parallel.use_distributed_optimizer)
     optimizer, scheduler = build_optimizer(chunks, optim_config(cfg.train, total_steps),
                                            cfg.parallel.use_distributed_optimizer)

@@ -164,3 +164,34 @@ def test_sigterm_saves_and_exits_zero_then_resumes(data, tmp_path):
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert f"at step {stopped_at}" in resumed.stdout
     assert max(losses(run)) == stopped_at + 2
+
+
+def test_pipeline_from_hf_checkpoint_with_rm_calibration(data, tmp_path):
+    """HF Llama -> convert -> SFT (tp=2) -> RM initialised from the SFT policy -> calibration stats."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    hf_dir, mcore = tmp_path / "hf", tmp_path / "mcore"
+    LlamaForCausalLM(LlamaConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                                 num_key_value_heads=2, vocab_size=17, max_position_embeddings=32)).save_pretrained(hf_dir)
+    env = child_env()
+    conv = run_reaped([sys.executable, str(CLI), "convert", "hf-to-megatron", "--hf-dir", str(hf_dir),
+                       "--out", str(mcore)], env=env, timeout=300)
+    assert conv.returncode == 0, conv.stderr[-3000:]
+
+    sft_run, rm_run = tmp_path / "sft", tmp_path / "rm"
+    arch_free = lambda args: [a for a in args if not a.startswith("model.")]  # architecture comes from model.load
+    run_cli("sft", arch_free(overrides(data, sft_run, **{"parallel.tp": 2})) + [f"model.load={mcore}"], nproc=2)
+    rm_args = arch_free(overrides(data, rm_run, "rm", **{"train.train_steps": 4}))
+    rm_args = [a for a in rm_args if not a.startswith("calibration.")] + [
+        f"model.load={sft_run / 'checkpoints'}", "calibration.num_prompts=8", "calibration.max_new_tokens=6",
+        "calibration.batch_size=4", f"calibration.prompts_path={data / 'sft.jsonl'}"]
+    proc = run_cli("rm", rm_args, nproc=2)
+    assert "reward calibration: mean" in proc.stdout
+    stats = json.loads((rm_run / "reward_calibration.json").read_text())
+    assert stats["num_samples"] == 8 and stats["std"] > 0 and abs(stats["mean"]) < 1e3
+
+    from megatron.core import dist_checkpointing
+
+    latest = rm_run / "checkpoints" / (rm_run / "checkpoints" / "latest").read_text().strip()
+    common = dist_checkpointing.load_common_state_dict(str(latest))
+    assert common["extra"]["reward_calibration"] == pytest.approx(stats)
