@@ -16,6 +16,7 @@ import torch
 from megatron_rlhf import config as C
 from megatron_rlhf import data as D
 from megatron_rlhf.checkpoint import state as ckpt
+from megatron_rlhf.metrics import peak_memory_gib
 from megatron_rlhf.models.build import build_model
 from megatron_rlhf.parallel import init
 from megatron_rlhf.parallel.layout import validate_layout
@@ -122,14 +123,14 @@ def run_stage(cfg, stage: Stage) -> Dict[str, float]:
     models, optimizers, schedulers = {stage.name: chunks}, {stage.name: optimizer}, {stage.name: scheduler}
 
     ckpt_root = cfg.checkpoint.dir or f"{cfg.logging.run_dir}/checkpoints"
-    step = 0
+    step, resumed_extra = 0, {}
     resume_from = ckpt.latest_checkpoint(cfg.checkpoint.load or ckpt_root) if cfg.checkpoint.resume != "never" else None
     if cfg.checkpoint.resume == "required" and resume_from is None:
         raise ckpt.CheckpointError(f"checkpoint.resume=required but {cfg.checkpoint.load or ckpt_root} has no checkpoint")
     if resume_from is not None:
-        extra = ckpt.load_checkpoint(resume_from, models, optimizers, schedulers)
-        step = int(extra["step"])
-        sampler.load_state_dict(extra["data"])
+        resumed_extra = ckpt.load_checkpoint(resume_from, models, optimizers, schedulers)
+        step = int(resumed_extra["step"])
+        sampler.load_state_dict(resumed_extra["data"])
         if log:
             log(f"resumed from {resume_from} at step {step}")
     if rank0:
@@ -151,11 +152,14 @@ def run_stage(cfg, stage: Stage) -> Dict[str, float]:
         indices = next(sampler)
         mbs = D.microbatches(splits.train, indices, cfg.train.micro_batch_size, collate,
                              pad_id=tokenizer.pad_token_id, pad_to=pad_to)
-        with metrics.timer("time/step"):
+        with metrics.timer("time/step") as timing:
             stats = train_step(chunks, optimizer, scheduler, mbs, forward_step)
         step += 1
-        tokens = sum(int(mb["lengths"].sum()) for mb in mbs) * dp_size
-        metrics.log(step, {f"train/{k}": v for k, v in stats.items()} | {"perf/tokens_per_step": tokens})
+        tokens = sum(int(mb["lengths"].sum()) for mb in mbs) * dp_size  # estimate: equal shares per DP rank
+        perf = {"perf/tokens_per_step": tokens, "perf/peak_memory_gib": peak_memory_gib()}
+        if timing.seconds:
+            perf["perf/tokens_per_s"] = tokens / timing.seconds
+        metrics.log(step, {f"train/{k}": v for k, v in stats.items()} | perf)
         evaluate_now = cfg.train.eval_interval and step % cfg.train.eval_interval == 0
         if splits.eval is not None and (evaluate_now or step == total_steps):
             last_eval = evaluate(chunks, splits.eval, stage, cfg, tokenizer, dp_size, pad_to)
@@ -171,12 +175,14 @@ def run_stage(cfg, stage: Stage) -> Dict[str, float]:
             save(step)
             saved_at = step
     final = {}
-    if stage.finalize is not None and step == total_steps:
+    if stage.finalize is not None and step == total_steps and not resumed_extra.get("finalized"):
         final = stage.finalize(cfg, chunks, tokenizer, ps.get_data_parallel_rank(), dp_size, log)
         for key, value in final.items():
             metrics.log(step, {f"eval/{key}_{k}": v for k, v in value.items() if isinstance(v, (int, float))})
             if rank0:
                 _write_json(f"{cfg.logging.run_dir}/{key}.json", value)
+        if final:
+            final["finalized"] = True  # a rerun after the last step does not repeat it
     if saved_at != step or final:
         save(step, final)
     metrics.close()

@@ -195,3 +195,24 @@ def test_pipeline_from_hf_checkpoint_with_rm_calibration(data, tmp_path):
     latest = rm_run / "checkpoints" / (rm_run / "checkpoints" / "latest").read_text().strip()
     common = dist_checkpointing.load_common_state_dict(str(latest))
     assert common["extra"]["reward_calibration"] == pytest.approx(stats)
+
+
+def test_resume_at_epoch_boundary_and_after_the_last_step(data, tmp_path):
+    """256 rows / batch 8 = 32 steps per epoch: stop exactly at the epoch end, resume into epoch 2;
+    then rerunning a finished run does no step and keeps its checkpoint."""
+    straight, split = tmp_path / "straight", tmp_path / "split"
+    common = {"train.train_steps": 34, "checkpoint.save_interval": 0}
+    run_cli("sft", overrides(data, straight, **common))
+    run_cli("sft", overrides(data, split, **common, **{"train.exit_at_step": 32}))
+    assert max(losses(split)) == 32
+    run_cli("sft", overrides(data, split, **common))
+    a, b = losses(straight), losses(split)
+    assert [a[s] for s in range(1, 35)] == [b[s] for s in range(1, 35)]
+
+    latest = (split / "checkpoints" / "latest").read_text()
+    rows_before = len(read_jsonl(os.path.join(split, "metrics.jsonl")))
+    proc = run_cli("sft", overrides(data, split, **common))
+    assert "at step 34" in proc.stdout
+    rows = read_jsonl(os.path.join(split, "metrics.jsonl"))
+    assert not [r for r in rows[rows_before:] if "train/loss" in r]  # no training step ran
+    assert (split / "checkpoints" / "latest").read_text() == latest

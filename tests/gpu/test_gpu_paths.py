@@ -1,0 +1,83 @@
+"""GPU-only paths: Transformer Engine layer spec (+ FP8) and NCCL. Skipped without CUDA/TE.
+
+Run on a GPU node with `torchrun --nproc_per_node 2 -m pytest tests/gpu` for the 2-GPU checks, or
+plain `pytest tests/gpu` for the single-GPU ones.
+"""
+
+import importlib.util
+import os
+
+import pytest
+import torch
+
+cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+te = pytest.mark.skipif(importlib.util.find_spec("transformer_engine") is None, reason="needs Transformer Engine")
+
+
+@pytest.fixture
+def world_of_one(monkeypatch):
+    from tests.distributed.launch import free_port
+
+    for k, v in dict(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1",
+                     MASTER_PORT=str(free_port())).items():
+        monkeypatch.setenv(k, os.environ.get(k, v) if k != "MASTER_PORT" else v)
+    yield
+    from megatron_rlhf.parallel import init
+
+    init.destroy()
+
+
+def tiny(**kw):
+    from megatron_rlhf.models.spec import ModelConfig
+
+    base = dict(num_layers=2, hidden_size=128, ffn_hidden_size=256, num_attention_heads=4, num_query_groups=2,
+                vocab_size=256, max_position_embeddings=128, params_dtype="bfloat16")
+    base.update(kw)
+    return ModelConfig(**base)
+
+
+@cuda
+def test_cpu_layer_is_off_with_cuda():
+    from megatron_rlhf.parallel import cpu
+
+    assert cpu.enable() is False
+    assert cpu.transformer_config_overrides() == {}
+
+
+@cuda
+def test_local_spec_model_trains_on_gpu(world_of_one):
+    from megatron_rlhf.models.build import build_model
+    from megatron_rlhf.parallel import init
+    from megatron_rlhf.parallel.layout import ParallelConfig
+
+    init.initialize(ParallelConfig(), seed=0)
+    model = build_model(tiny(), ParallelConfig())[0].cuda()
+    ids = torch.randint(0, 256, (2, 64), device="cuda")
+    pos = torch.arange(64, device="cuda").expand(2, 64)
+    loss = model(ids, pos, None, labels=ids).float().mean()
+    loss.backward()
+    assert torch.isfinite(loss)
+
+
+@cuda
+@te
+@pytest.mark.parametrize("fp8", [None, "hybrid"])
+def test_te_spec_forward_backward(world_of_one, fp8):
+    from megatron_rlhf.models.build import build_model
+    from megatron_rlhf.models.spec import use_te_spec
+    from megatron_rlhf.parallel import init
+    from megatron_rlhf.parallel.layout import Fp8Config, ParallelConfig, validate_layout
+
+    assert use_te_spec()
+    parallel = ParallelConfig()
+    fp8_cfg = Fp8Config(format=fp8)
+    validate_layout(parallel, 1, fp8=fp8_cfg)
+    init.initialize(parallel, seed=0)
+    model = build_model(tiny(), parallel, fp8=fp8_cfg)[0].cuda()
+    names = [n for n, _ in model.named_parameters()]
+    assert any("linear_qkv.layer_norm_weight" in n for n in names)  # TE-fused norm layout
+    ids = torch.randint(0, 256, (2, 64), device="cuda")
+    pos = torch.arange(64, device="cuda").expand(2, 64)
+    loss = model(ids, pos, None, labels=ids).float().mean()
+    loss.backward()
+    assert torch.isfinite(loss)
