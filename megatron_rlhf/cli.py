@@ -20,6 +20,7 @@ import argparse
 import difflib
 import importlib
 import sys
+import warnings
 from dataclasses import dataclass
 from typing import Callable, Optional, Sequence
 
@@ -112,8 +113,16 @@ def _run_config_command(name: str, cmd: Command, argv: Sequence[str]) -> int:
     return result if isinstance(result, int) else 0
 
 
+def _quiet_known_warnings() -> None:
+    """Megatron-Core warns on every rank that optional GPU libraries are absent; say it once here."""
+    for pattern in (r".*(Apex|Transformer Engine).*not installed.*", r".*Apex is not installed.*",
+                    r"full scope is deprecated.*", r".*torch.jit.script_method.*is deprecated.*"):
+        warnings.filterwarnings("ignore", message=pattern)
+
+
 def main(argv: Optional[Sequence[str]] = None) -> int:
     """Entry point of the `megatron-rlhf` console script; returns the exit code."""
+    _quiet_known_warnings()
     argv = list(sys.argv[1:] if argv is None else argv)
     if not argv or argv[0] in ("-h", "--help"):
         print(_top_help())

@@ -20,7 +20,7 @@ from megatron_rlhf.metrics import peak_memory_gib
 from megatron_rlhf.models.build import build_model
 from megatron_rlhf.parallel import init
 from megatron_rlhf.parallel.layout import validate_layout
-from megatron_rlhf.trainer.optim import OptimConfig, build_optimizer, wrap_ddp
+from megatron_rlhf.trainer.optim import build_optimizer, wrap_ddp
 from megatron_rlhf.trainer.step import LossFn, make_forward_step, reduce_stats, run_schedule, train_step
 
 
@@ -55,21 +55,6 @@ class _StopFlag:
         flag = torch.tensor([1.0 if self.requested else 0.0])
         torch.distributed.all_reduce(flag, op=torch.distributed.ReduceOp.MAX)
         return bool(flag.item())
-
-
-def optim_config(train: C.TrainConfig, total_steps: int) -> OptimConfig:
-    return OptimConfig(
-        lr=train.lr,
-        min_lr=train.min_lr,
-        warmup_steps=train.warmup_steps,
-        decay_steps=train.lr_decay_steps or total_steps,
-        decay_style=train.lr_schedule,
-        weight_decay=train.weight_decay,
-        adam_beta1=train.adam_beta1,
-        adam_beta2=train.adam_beta2,
-        adam_eps=train.adam_eps,
-        clip_grad=train.clip_grad,
-    )
 
 
 def _metrics(cfg, total_steps: int, start_step: int, rank0: bool):
@@ -118,8 +103,7 @@ def run_stage(cfg, stage: Stage) -> Dict[str, float]:
     if cfg.model.load:
         ckpt.load_model_weights(cfg.model.load, chunks, stage.init_source, stage.head)
     chunks = wrap_ddp(chunks, cfg.parallel.use_distributed_optimizer)
-    optimizer, scheduler = build_optimizer(chunks, optim_config(cfg.train, total_steps),
-                                           cfg.parallel.use_distributed_optimizer)
+    optimizer, scheduler = build_optimizer(chunks, cfg.train, cfg.parallel.use_distributed_optimizer, total_steps)
     models, optimizers, schedulers = {stage.name: chunks}, {stage.name: optimizer}, {stage.name: scheduler}
 
     ckpt_root = cfg.checkpoint.dir or f"{cfg.logging.run_dir}/checkpoints"

@@ -8,25 +8,9 @@ depend on DP size or on how the batch is cut into microbatches.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from functools import partial
-from typing import List, Optional
+from typing import List
 
 import torch
-
-
-@dataclass
-class OptimConfig:
-    lr: float = 1e-4
-    min_lr: float = 0.0
-    warmup_steps: int = 0
-    decay_steps: Optional[int] = None  # None: constant after warm-up
-    decay_style: str = "constant"  # constant | linear | cosine
-    weight_decay: float = 0.0
-    adam_beta1: float = 0.9
-    adam_beta2: float = 0.95
-    adam_eps: float = 1e-8
-    clip_grad: float = 1.0
 
 
 def wrap_ddp(chunks: List[torch.nn.Module], use_distributed_optimizer: bool) -> List[torch.nn.Module]:
@@ -54,8 +38,12 @@ def wrap_ddp(chunks: List[torch.nn.Module], use_distributed_optimizer: bool) -> 
     return wrapped
 
 
-def build_optimizer(chunks: List[torch.nn.Module], cfg: OptimConfig, use_distributed_optimizer: bool):
-    """Megatron Adam (distributed optimizer if asked) + OptimizerParamScheduler; wires the schedule hooks."""
+def build_optimizer(chunks: List[torch.nn.Module], cfg, use_distributed_optimizer: bool, total_steps: int):
+    """Megatron Adam (distributed optimizer if asked) + OptimizerParamScheduler; wires the schedule hooks.
+
+    `cfg` is the `train` config group (config.TrainConfig): lr, min_lr, lr_schedule, warmup_steps,
+    lr_decay_steps (None: all `total_steps`), weight_decay, adam_*, clip_grad.
+    """
     from megatron.core.distributed import finalize_model_grads
     from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
     from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
@@ -76,15 +64,15 @@ def build_optimizer(chunks: List[torch.nn.Module], cfg: OptimConfig, use_distrib
         use_distributed_optimizer=use_distributed_optimizer,
     )
     optimizer = get_megatron_optimizer(opt_config, chunks)
-    decay_steps = cfg.decay_steps if cfg.decay_steps else max(cfg.warmup_steps + 1, 1)
+    decay_steps = cfg.lr_decay_steps or total_steps
     scheduler = OptimizerParamScheduler(
         optimizer,
         init_lr=0.0 if cfg.warmup_steps > 0 else cfg.lr,
         max_lr=cfg.lr,
-        min_lr=cfg.min_lr if cfg.decay_style != "constant" else cfg.lr,
+        min_lr=cfg.min_lr if cfg.lr_schedule != "constant" else cfg.lr,
         lr_warmup_steps=cfg.warmup_steps,
         lr_decay_steps=max(decay_steps, cfg.warmup_steps + 1),
-        lr_decay_style=cfg.decay_style,
+        lr_decay_style=cfg.lr_schedule,
         start_wd=cfg.weight_decay,
         end_wd=cfg.weight_decay,
         wd_incr_steps=1,
@@ -98,7 +86,3 @@ def build_optimizer(chunks: List[torch.nn.Module], cfg: OptimConfig, use_distrib
         if use_distributed_optimizer:
             c.param_sync_func = None  # params are gathered at the end of optimizer.step()
     return optimizer, scheduler
-
-
-def current_lr(optimizer) -> float:
-    return optimizer.param_groups[0]["lr"]

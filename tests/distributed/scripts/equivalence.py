@@ -16,7 +16,8 @@ from megatron_rlhf.models.build import build_model
 from megatron_rlhf.models.spec import ModelConfig
 from megatron_rlhf.parallel import init
 from megatron_rlhf.parallel.layout import ParallelConfig, validate_layout
-from megatron_rlhf.trainer.optim import OptimConfig, build_optimizer, wrap_ddp
+from megatron_rlhf.config import TrainConfig
+from megatron_rlhf.trainer.optim import build_optimizer, wrap_ddp
 from megatron_rlhf.trainer.step import make_forward_step, train_step
 
 GLOBAL_BATCH, MICRO, SEQ, VOCAB = 8, 2, 12, 64
@@ -95,7 +96,8 @@ def main():
         share_initial_weights(chunks, os.path.join(init_dir, head), mode)
         chunks = wrap_ddp(chunks, distopt)
         # A tight clip so that clipping is active and its CPU path is exercised.
-        optimizer, scheduler = build_optimizer(chunks, OptimConfig(lr=1e-2, clip_grad=0.5), distopt)
+        train = TrainConfig(lr=1e-2, clip_grad=0.5, lr_schedule="constant")
+        optimizer, scheduler = build_optimizer(chunks, train, distopt, total_steps=3)
         fwd = make_forward_step(loss_fn, kwargs)
         results[head] = [train_step(chunks, optimizer, scheduler, microbatches, fwd) for _ in range(3)]
     if torch.distributed.get_rank() == 0:
