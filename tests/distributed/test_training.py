@@ -101,14 +101,15 @@ def test_rm_learns_a_known_rule(data, tmp_path):
     assert evals[-1]["eval/accuracy"] > 0.85, evals[-1]
 
 
-@pytest.mark.parametrize("kind, tp", [("sft", 1), ("sft", 2), ("rm", 2)])
-def test_resume_is_exact(data, tmp_path, kind, tp):
+@pytest.mark.parametrize("kind, tp, pp", [("sft", 1, 1), ("sft", 2, 1), ("rm", 2, 1), ("rm", 1, 2)])
+def test_resume_is_exact(data, tmp_path, kind, tp, pp):
     straight, split = tmp_path / "straight", tmp_path / "split"
-    extra = {"parallel.tp": tp}
-    run_cli(kind, overrides(data, straight, kind, **extra), nproc=tp)
-    run_cli(kind, overrides(data, split, kind, **extra, **{"train.exit_at_step": 3}), nproc=tp)
+    extra = {"parallel.tp": tp, "parallel.pp": pp}
+    n = tp * pp
+    run_cli(kind, overrides(data, straight, kind, **extra), nproc=n)
+    run_cli(kind, overrides(data, split, kind, **extra, **{"train.exit_at_step": 3}), nproc=n)
     assert losses(split).keys() == {1, 2, 3}
-    run_cli(kind, overrides(data, split, kind, **extra), nproc=tp)
+    run_cli(kind, overrides(data, split, kind, **extra), nproc=n)
     a, b = losses(straight), losses(split)
     assert sorted(a) == sorted(b) == [1, 2, 3, 4, 5, 6]
     assert [a[s] for s in range(1, 7)] == [b[s] for s in range(1, 7)]  # bit-exact on CPU
