@@ -39,6 +39,7 @@ COMMANDS = {
     "rm": Command("Bradley-Terry reward model on preference pairs (stage 2)", "megatron_rlhf.trainer.rm:run", C.RMConfig),
     "convert": Command("HF <-> Megatron checkpoints: convert hf-to-megatron|megatron-to-hf ...", "megatron_rlhf.checkpoint.hf:main"),
     "prepare-tiny": Command("write the tiny sort-digits task (tokenizer + jsonl)", "megatron_rlhf.tasks.sort_digits:main"),
+    "tiny-pairs": Command("preference pairs for the tiny task from two SFT-policy samples per prompt", "megatron_rlhf.tasks.sft_pairs:main"),
 }
 
 

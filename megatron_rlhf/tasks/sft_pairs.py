@@ -1,0 +1,219 @@
+"""Preference pairs for the tiny sort-digits task from two samples of the SFT policy per prompt.
+
+The reward model should learn to rank what the policy actually produces, so its pairs are drawn
+from the SFT policy itself (tiny-task.md): two samples per prompt, labelled by the noisy
+Bradley-Terry rule on the true score (`sort_digits.label_pair`). The synthetic pairs written by
+`prepare-tiny` only imitate that distribution.
+
+::
+
+    torchrun --nproc_per_node 2 -m megatron_rlhf.cli tiny-pairs --policy runs/tiny/sft/checkpoints \\
+        --prompts runs/tiny/data/prompts.jsonl --tokenizer runs/tiny/data/tokenizer --num-pairs 8000 \\
+        --out runs/tiny/data/sft_pairs.jsonl
+
+Runs on any number of ranks with pp=1 (any tp). Each data-parallel rank samples a disjoint share of
+the prompts; rank 0 gathers the rows and writes them in prompt order. Pair i uses prompt
+``i % (number of prompts)``: asking for more pairs than the file has prompts reuses prompts with
+fresh samples. A pair is sampled again (up to --max-tries rounds, then dropped; the summary counts
+them) when it cannot be written (identical responses, or an empty one: the RM data loader rejects
+both) or when the two true scores are equal (a coin-flip label, no preference: with the SFT policy
+about 40% of first samples tie, which would cap held-out RM accuracy near 0.8; --keep-ties keeps them).
+
+A response is its sampled tokens before the first EOS, as words; one that never emitted EOS within
+--max-new-tokens is kept (all its --max-new-tokens words) and has true score -1
+(`sort_digits.score_tokens`). The same seed, prompts
+and layout (number of data-parallel ranks) give the same file.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+from typing import Dict, List, Optional, Sequence, Tuple
+
+import torch
+
+from megatron_rlhf.tasks import sort_digits
+
+Row = Dict[str, object]
+
+
+def _parse(argv: Optional[Sequence[str]]) -> argparse.Namespace:
+    p = argparse.ArgumentParser(
+        prog="megatron-rlhf tiny-pairs",
+        description="Preference pairs for the tiny task: two SFT-policy samples per prompt, labelled by the "
+        "noisy Bradley-Terry rule on the true score. Run under torchrun (pp=1).",
+    )
+    p.add_argument("--policy", required=True, help="SFT training checkpoint (root with 'latest', or a step directory)")
+    p.add_argument("--prompts", required=True, help="prompt-only jsonl (field 'prompt')")
+    p.add_argument("--tokenizer", required=True, help="tokenizer directory (prepare-tiny's tokenizer/)")
+    # Not "--num": torchrun's parser would take it for an abbreviation of its own --numa-binding.
+    p.add_argument("--num-pairs", type=int, required=True, help="pairs to write (prompt i %% len(prompts) for pair i)")
+    p.add_argument("--out", required=True, help="output jsonl: prompt, chosen, rejected")
+    p.add_argument("--seed", type=int, default=0, help="sampling and labelling seed")
+    p.add_argument("--tp", type=int, default=1, help="tensor-parallel size (data-parallel = world / tp)")
+    p.add_argument("--batch-size", type=int, default=128, help="prompts per generate call (2 samples each)")
+    p.add_argument("--max-new-tokens", type=int, default=11, help="longest answer (7 digits) + 4")
+    p.add_argument("--temperature", type=float, default=1.0)
+    p.add_argument("--max-tries", type=int, default=16,
+                   help="rounds of resampling prompts whose two responses are identical, empty or tied in true score")
+    p.add_argument("--sharpness", type=float, default=sort_digits.BT_SHARPNESS,
+                   help="label noise: P(a chosen) = sigmoid(sharpness * (score_a - score_b)); 1e9 = noise-free labels")
+    p.add_argument("--keep-ties", action="store_true",
+                   help="also keep pairs with equal true scores (labelled by a coin flip)")
+    args = p.parse_args(list(argv) if argv is not None else None)
+    for name in ("num_pairs", "tp", "batch_size", "max_new_tokens", "max_tries"):
+        if getattr(args, name) < 1:
+            p.error(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
+    if args.temperature <= 0:
+        p.error(f"--temperature must be > 0, got {args.temperature} (greedy samples would always coincide)")
+    return args
+
+
+def response_text(ids: Sequence[int], eos_id: int, tokenizer) -> Tuple[str, bool]:
+    """Generated ids [n] (the sample's own tokens, filler cut off) -> (words before the first EOS,
+    finished = EOS was emitted). A special token the policy sampled mid-response (say <pad>) stays as
+    its word: dropping it would change the response's true score and length."""
+    ids = [int(i) for i in ids]
+    finished = eos_id in ids
+    if finished:
+        ids = ids[: ids.index(eos_id)]
+    return " ".join(tokenizer.convert_ids_to_tokens(ids)), finished
+
+
+Response = Tuple[str, bool]  # (text, finished)
+
+
+def score(prompt: str, response: Response) -> float:
+    return sort_digits.true_score(prompt, response[0], response[1])
+
+
+def usable(prompt: str, a: Response, b: Response, keep_ties: bool = False) -> bool:
+    """Whether two responses make a preference row. Identical or empty ones (EOS right away) cannot
+    be written: the RM data loader rejects them as malformed. Equal true scores (both dropped the last
+    digit, say: common) carry no preference; the label is a coin flip that caps held-out accuracy."""
+    if a[0] == b[0] or not a[0].strip() or not b[0].strip():
+        return False
+    return keep_ties or score(prompt, a) != score(prompt, b)
+
+
+def _sample_round(policy, prompts, todo: List[int], args, tokenizer, vocab_size: int, generator) -> Dict[int, Tuple]:
+    """Two samples for each pair index in `todo` -> {pair: (prompt, (text_a, fin_a), (text_b, fin_b))}."""
+    from megatron_rlhf import data as D
+    from megatron_rlhf.rollout.megatron_engine import generate
+
+    out = {}
+    for start in range(0, len(todo), args.batch_size):
+        pairs = todo[start : start + args.batch_size]
+        examples = [prompts[i % len(prompts)] for i in pairs for _ in range(2)]  # rows 2k, 2k+1: pair k
+        batch = D.collate_prompts(examples, pad_id=tokenizer.pad_token_id)
+        gen = generate(
+            policy, batch["input_ids"], prompt_mask=batch["attention_mask"], max_new_tokens=args.max_new_tokens,
+            eos_id=tokenizer.eos_token_id, pad_id=tokenizer.pad_token_id, vocab_size=vocab_size,
+            temperature=args.temperature, generator=generator,
+        )
+        for k, i in enumerate(pairs):
+            text = tokenizer.decode(examples[2 * k]["prompt_ids"], skip_special_tokens=True).strip()
+            # lengths cut off the pad filler generate() writes after a response ends.
+            a, b = (
+                response_text(gen["response_ids"][r, : int(gen["lengths"][r])].tolist(), tokenizer.eos_token_id, tokenizer)
+                for r in (2 * k, 2 * k + 1)
+            )
+            out[i] = (text, a, b)
+    return out
+
+
+def _label(i: int, prompt: str, a: Response, b: Response, seed: int, sharpness: float) -> Row:
+    # One RNG per pair: the label of pair i does not depend on how pairs were split over ranks.
+    rng = random.Random(f"{seed}/label/{i}")
+    chosen, rejected = sort_digits.label_pair(prompt, a[0], b[0], rng, finished_a=a[1], finished_b=b[1],
+                                                sharpness=sharpness)
+    return {"index": i, "row": {"prompt": prompt, "chosen": chosen, "rejected": rejected},
+            "unfinished": int(not a[1]) + int(not b[1])}
+
+
+def _write_jsonl(path: str, rows: Sequence[Row]) -> None:
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    tmp = path + ".tmp"
+    with open(tmp, "w") as fh:
+        for row in rows:
+            fh.write(json.dumps(row) + "\n")
+    os.replace(tmp, path)  # readers never see a half-written file
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    args = _parse(argv)
+    from megatron.core import parallel_state as ps
+
+    from megatron_rlhf import config as C
+    from megatron_rlhf import data as D
+    from megatron_rlhf.checkpoint import state as ckpt
+    from megatron_rlhf.models.build import build_model
+    from megatron_rlhf.parallel import init
+    from megatron_rlhf.parallel.layout import ParallelConfig, validate_layout
+
+    model_cfg = C.read_model_config(args.policy)
+    if model_cfg is None:
+        raise ckpt.CheckpointError(
+            f"--policy {args.policy}: no model_config.json found: pass the checkpoint root of an SFT run"
+        )
+    parallel = ParallelConfig(tp=args.tp)
+    world = init.world_size_from_env()
+    validate_layout(parallel, world, num_layers=model_cfg.num_layers,
+                    num_attention_heads=model_cfg.num_attention_heads, num_query_groups=model_cfg.num_query_groups)
+    init.initialize(parallel, seed=args.seed)
+    try:
+        rank0 = torch.distributed.get_rank() == 0
+        dp_rank, dp_size = ps.get_data_parallel_rank(), ps.get_data_parallel_world_size()
+        tokenizer = D.load_tokenizer(args.tokenizer)
+        D.check_vocab(tokenizer, model_cfg.vocab_size)
+        # Prompts longer than the model can continue by max_new_tokens are dropped (the load report says so).
+        data_cfg = C.DataConfig(train_path=args.prompts, overlong="drop",
+                                max_seq_len=model_cfg.max_position_embeddings - args.max_new_tokens + 1)
+        prompts, _ = D.load_examples("prompt", data_cfg, tokenizer, log=print if rank0 else None)
+        policy = build_model(model_cfg, parallel, head="lm")
+        ckpt.load_model_weights(args.policy, policy, "policy", "lm")
+
+        # Same seed on the TP ranks of one data-parallel rank (they must decode the same tokens),
+        # different seeds across data-parallel ranks (disjoint prompts, independent samples).
+        generator = torch.Generator().manual_seed(args.seed * 1_000_003 + dp_rank)
+        todo = list(range(args.num_pairs))[dp_rank::dp_size]
+        mine: List[Row] = []
+        first_differ = 0  # pairs of the first round with different true scores: the policy's diversity
+        for round_ in range(args.max_tries):
+            if not todo:
+                break
+            sampled = _sample_round(policy, prompts, todo, args, tokenizer, model_cfg.vocab_size, generator)
+            if round_ == 0:
+                first_differ = sum(score(p, a) != score(p, b) for p, a, b in sampled.values())
+            retry = {i for i in todo if not usable(*sampled[i], keep_ties=args.keep_ties)}
+            mine += [_label(i, *sampled[i], args.seed, args.sharpness) for i in todo if i not in retry]
+            todo = [i for i in todo if i in retry]
+        stats = (len(todo), first_differ)
+
+        # Rank 0 collects; TP ranks other than the first hold copies of their group's rows.
+        contribution = (mine, stats) if ps.get_tensor_model_parallel_rank() == 0 else ([], (0, 0))
+        gathered = [None] * world if rank0 else None
+        torch.distributed.gather_object(contribution, gathered, dst=0)
+        if rank0:
+            labelled = sorted((r for rows, _ in gathered for r in rows), key=lambda r: r["index"])
+            n_dropped = sum(s[0] for _, s in gathered)
+            differ = sum(s[1] for _, s in gathered) / args.num_pairs
+            _write_jsonl(args.out, [r["row"] for r in labelled])
+            unfinished = sum(r["unfinished"] for r in labelled) / max(2 * len(labelled), 1)
+            print(
+                f"tiny-pairs: wrote {len(labelled)} pairs to {args.out} ({n_dropped} dropped: no usable pair in "
+                f"{args.max_tries} tries) | first samples: true scores differ in {differ:.3f} of pairs | "
+                f"responses without EOS (truncated) in the file: {unfinished:.3f}",
+                flush=True,
+            )
+        torch.distributed.barrier()
+    finally:
+        init.destroy()
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
