@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# The tiny CPU pipeline on 2 gloo ranks: data -> SFT -> reward model (+ reward calibration).
+# The tiny CPU pipeline on 2 gloo ranks: data -> SFT -> preference pairs sampled from the SFT
+# policy -> reward model (+ reward calibration).
 # Extra arguments are config overrides applied to both stages, e.g. train.train_steps=50.
 # Runs resume where they stopped (checkpoints under runs/tiny/); delete runs/tiny to start over.
 set -euo pipefail
