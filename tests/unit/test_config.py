@@ -3,6 +3,7 @@
 import dataclasses
 import json
 import os
+import shutil
 
 import pytest
 
@@ -242,5 +243,8 @@ def test_tiny_examples_load(tmp_path, monkeypatch):
     sft = C.load_config(C.SFTConfig, os.path.join(repo, "examples/tiny/sft.yaml"), [])
     assert sft.model.vocab_size == len(sort_digits.VOCAB)
     os.makedirs("runs/tiny/sft/checkpoints")
+    # run.sh writes these with `tiny-pairs` after SFT; any preference file stands in for them here.
+    for name in ("sft_pairs", "sft_pairs_eval"):
+        shutil.copy("runs/tiny/data/pairs.jsonl", f"runs/tiny/data/{name}.jsonl")
     rm = C.load_config(C.RMConfig, os.path.join(repo, "examples/tiny/rm.yaml"), [])
     assert rm.model.load == "runs/tiny/sft/checkpoints" and rm.calibration.prompts_path
