@@ -13,6 +13,7 @@ import socket
 import subprocess
 import sys
 import tempfile
+import time
 from pathlib import Path
 
 import pytest
@@ -64,25 +65,54 @@ def torchrun(
 
 
 def run_reaped(cmd, env: dict, timeout: int) -> subprocess.CompletedProcess:
-    """Run `cmd` in its own session and kill whatever it leaves behind.
+    """Run `cmd` and kill whatever it leaves behind.
 
     A rank killed with SIGKILL orphans the multiprocessing manager that Megatron's checkpointing
-    spawns; it would hold the output pipes open (and a test waiting for EOF would hang), so output
-    goes to files and the whole session is killed once the command has ended.
+    spawns (torchrun starts ranks in sessions of their own, so a process-group kill misses it).
+    Descendants are therefore recorded while the command runs and killed once it has ended, and
+    output goes to files so that no orphan can hold a pipe of ours open.
     """
+    import psutil
+
     with tempfile.TemporaryFile("w+") as out, tempfile.TemporaryFile("w+") as err:
         proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=out, stderr=err, start_new_session=True)
+        seen: dict = {}
+        deadline = time.monotonic() + timeout
         try:
-            rc = proc.wait(timeout=timeout)
+            while proc.poll() is None:
+                if time.monotonic() > deadline:
+                    raise subprocess.TimeoutExpired(cmd, timeout)
+                _record_descendants(psutil, proc.pid, seen)
+                time.sleep(0.2)
         finally:
-            try:
-                os.killpg(proc.pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
-            proc.wait()
+            if proc.poll() is None:  # timed out: collect what is still attached
+                _record_descendants(psutil, proc.pid, seen)
+            _kill_all(psutil, proc, seen)
         out.seek(0)
         err.seek(0)
-        return subprocess.CompletedProcess(cmd, rc, out.read(), err.read())
+        return subprocess.CompletedProcess(cmd, proc.returncode, out.read(), err.read())
+
+
+def _record_descendants(psutil, pid: int, seen: dict) -> None:
+    try:
+        for child in psutil.Process(pid).children(recursive=True):
+            seen[child.pid] = child  # psutil.Process remembers the create time: no PID-reuse accidents
+    except psutil.Error:
+        pass
+
+
+def _kill_all(psutil, proc, seen: dict) -> None:
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+    for child in seen.values():
+        try:
+            if child.is_running():
+                child.kill()
+        except psutil.Error:
+            pass
+    proc.wait()
 
 
 def read_json(path) -> dict:
