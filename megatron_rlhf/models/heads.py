@@ -24,8 +24,7 @@ class ScalarHead(MegatronModule):
         self.sequence_parallel = config.sequence_parallel
         self.tp_group = tp_group
         # The same weight lives on every TP rank and sees the same (gathered) input, so its
-        # gradients agree across TP ranks without an all-reduce.
-        setattr(self.weight, "allreduce", True)
+        # gradients agree across TP ranks without a TP all-reduce (DDP still averages over DP).
 
     def forward(self, hidden_states, weight=None, runtime_gather_output=None):
         if self.sequence_parallel:

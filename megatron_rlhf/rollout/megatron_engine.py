@@ -85,6 +85,18 @@ def generate(
         gpt.train(was_training)
 
 
+def generate_for_prompts(model: Model, examples: Sequence[dict], tokenizer, *, vocab_size: int,
+                         max_new_tokens: int, temperature: float = 1.0, generator=None, seed=None) -> Dict[str, torch.Tensor]:
+    """`generate` for tokenised prompt rows (`data.load_examples("prompt", ...)`: `prompt_ids`),
+    left-padded with `data.collate_prompts`, ending at the tokenizer's EOS."""
+    from megatron_rlhf.data import collate_prompts
+
+    batch = collate_prompts(examples, pad_id=tokenizer.pad_token_id)
+    return generate(model, batch["input_ids"], prompt_mask=batch["attention_mask"], max_new_tokens=max_new_tokens,
+                    eos_id=tokenizer.eos_token_id, pad_id=tokenizer.pad_token_id, vocab_size=vocab_size,
+                    temperature=temperature, generator=generator, seed=seed)
+
+
 class MegatronRolloutEngine(RolloutEngine):
     """`RolloutEngine` over the policy's own Megatron chunks (weights shared with training)."""
 

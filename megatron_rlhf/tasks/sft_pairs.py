@@ -101,19 +101,15 @@ def usable(prompt: str, a: Response, b: Response, keep_ties: bool = False) -> bo
 
 def _sample_round(policy, prompts, todo: List[int], args, tokenizer, vocab_size: int, generator) -> Dict[int, Tuple]:
     """Two samples for each pair index in `todo` -> {pair: (prompt, (text_a, fin_a), (text_b, fin_b))}."""
-    from megatron_rlhf import data as D
-    from megatron_rlhf.rollout.megatron_engine import generate
+    from megatron_rlhf.rollout.megatron_engine import generate_for_prompts
 
     out = {}
     for start in range(0, len(todo), args.batch_size):
         pairs = todo[start : start + args.batch_size]
         examples = [prompts[i % len(prompts)] for i in pairs for _ in range(2)]  # rows 2k, 2k+1: pair k
-        batch = D.collate_prompts(examples, pad_id=tokenizer.pad_token_id)
-        gen = generate(
-            policy, batch["input_ids"], prompt_mask=batch["attention_mask"], max_new_tokens=args.max_new_tokens,
-            eos_id=tokenizer.eos_token_id, pad_id=tokenizer.pad_token_id, vocab_size=vocab_size,
-            temperature=args.temperature, generator=generator,
-        )
+        gen = generate_for_prompts(policy, examples, tokenizer, vocab_size=vocab_size,
+                                   max_new_tokens=args.max_new_tokens, temperature=args.temperature,
+                                   generator=generator)
         for k, i in enumerate(pairs):
             text = tokenizer.decode(examples[2 * k]["prompt_ids"], skip_special_tokens=True).strip()
             # lengths cut off the pad filler generate() writes after a response ends.

@@ -15,7 +15,7 @@ import torch
 from megatron_rlhf import data as D
 from megatron_rlhf.checkpoint import state as ckpt
 from megatron_rlhf.models.build import build_model
-from megatron_rlhf.rollout.megatron_engine import generate
+from megatron_rlhf.rollout.megatron_engine import generate_for_prompts
 from megatron_rlhf.trainer.step import make_forward_step, reduce_stats, run_schedule
 
 
@@ -54,11 +54,9 @@ def calibrate(cfg, reward_chunks, tokenizer, dp_rank: int, dp_size: int, log=Non
     outputs = []
     for start in range(0, len(mine), cal.batch_size):
         rows = [prompts[i] for i in mine[start: start + cal.batch_size]]
-        batch = D.collate_prompts(rows, pad_id=tokenizer.pad_token_id)
-        out = generate(policy, batch["input_ids"], prompt_mask=batch["attention_mask"],
-                       max_new_tokens=cal.max_new_tokens, eos_id=tokenizer.eos_token_id,
-                       pad_id=tokenizer.pad_token_id, vocab_size=model_cfg.vocab_size,
-                       temperature=cal.temperature, seed=cfg.train.seed + 7919 * dp_rank + start)
+        out = generate_for_prompts(policy, rows, tokenizer, vocab_size=model_cfg.vocab_size,
+                                   max_new_tokens=cal.max_new_tokens, temperature=cal.temperature,
+                                   seed=cfg.train.seed + 7919 * dp_rank + start)
         sequences = []
         for r, p in enumerate(rows):
             n = int(out["lengths"][r])

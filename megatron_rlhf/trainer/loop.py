@@ -81,7 +81,7 @@ def run_stage(cfg, stage: Stage) -> Dict[str, float]:
         fp8=cfg.fp8,
     )
     dp_size = cfg.parallel.dp(world)
-    num_micro = C.check_batch_layout(cfg.train, dp_size)
+    C.check_batch_layout(cfg.train, dp_size)  # one clear error before any work
     init.initialize(cfg.parallel, seed=cfg.train.seed)
     from megatron.core import parallel_state as ps
 
