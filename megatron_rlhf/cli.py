@@ -4,6 +4,7 @@
 
     megatron-rlhf sft CONFIG.yaml [key=value ...]     # stage 1
     megatron-rlhf rm  CONFIG.yaml [key=value ...]     # stage 2
+    megatron-rlhf ppo CONFIG.yaml [key=value ...]     # stage 3
     megatron-rlhf convert hf-to-megatron --hf-dir IN --out OUT   # and megatron-to-hf
     megatron-rlhf prepare-tiny OUT_DIR                # data + tokenizer of the tiny CPU task
     megatron-rlhf <command> --help                    # a config command lists its groups and fields
@@ -37,6 +38,7 @@ class Command:
 COMMANDS = {
     "sft": Command("supervised fine-tuning on demonstrations (stage 1)", "megatron_rlhf.trainer.sft:run", C.SFTConfig),
     "rm": Command("Bradley-Terry reward model on preference pairs (stage 2)", "megatron_rlhf.trainer.rm:run", C.RMConfig),
+    "ppo": Command("PPO against the reward model, KL-penalised to the SFT policy (stage 3)", "megatron_rlhf.trainer.ppo:run", C.PPOConfig),
     "convert": Command("HF <-> Megatron checkpoints: convert hf-to-megatron|megatron-to-hf ...", "megatron_rlhf.checkpoint.hf:main"),
     "prepare-tiny": Command("write the tiny sort-digits task (tokenizer + jsonl)", "megatron_rlhf.tasks.sort_digits:main"),
     "tiny-pairs": Command("preference pairs for the tiny task from two SFT-policy samples per prompt", "megatron_rlhf.tasks.sft_pairs:main"),

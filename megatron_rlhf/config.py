@@ -27,22 +27,10 @@ import typing
 from dataclasses import dataclass, field
 from typing import Any, Iterator, Optional, Sequence
 
+from megatron_rlhf.fields import ConfigError, help_field as _f, require as _require  # noqa: F401
 from megatron_rlhf.models.spec import ModelConfig, model_config_from_hf
 from megatron_rlhf.parallel.layout import Fp8Config, ParallelConfig
-
-
-class ConfigError(ValueError):
-    """A bad configuration. The message is one line naming the key, the value and the fix."""
-
-
-def _f(default: Any = None, help: str = "", choices: Optional[Sequence[Any]] = None, factory=None):
-    """A dataclass field with a help text (shown by `--help`) and optional allowed values."""
-    meta = {"help": help}
-    if choices is not None:
-        meta["choices"] = tuple(choices)
-    if factory is not None:
-        return field(default_factory=factory, metadata=meta)
-    return field(default=default, metadata=meta)
+from megatron_rlhf.ppo_config import PPOSection, validate_ppo
 
 
 # --------------------------------------------------------------------------------------------
@@ -200,29 +188,6 @@ class CalibrationConfig:
 
 
 @dataclass
-class PPOSection:
-    """Placeholder for the PPO stage (filled in by that issue); defaults follow ppo-spec.md."""
-
-    reward_load: Optional[str] = _f(None, "reward model checkpoint")
-    value_load: Optional[str] = _f(None, "value model init; null = reward_load")
-    beta: float = _f(0.05, "KL penalty coefficient")
-    kl_estimator: str = _f("k1", "per-token KL estimator", choices=("k1", "k2", "k3"))
-    adaptive_kl_target: Optional[float] = _f(None, "target KL per sequence; null = fixed beta")
-    gamma: float = _f(1.0, "discount")
-    lam: float = _f(0.95, "GAE lambda")
-    clip_eps: float = _f(0.2, "policy ratio clip")
-    value_clip_eps: float = _f(0.2, "value clip")
-    vf_coef: float = _f(0.1, "value-loss coefficient")
-    epochs: int = _f(2, "PPO epochs per rollout batch")
-    rollout_batch_size: int = _f(128, "prompts per iteration")
-    minibatch_size: int = _f(64, "rollouts per optimizer step")
-    max_new_tokens: int = _f(64, "generation length limit")
-    temperature: float = _f(1.0, "sampling temperature")
-    missing_eos_penalty: float = _f(1.0, "score for responses without EOS is -this")
-    iterations: int = _f(100, "PPO iterations")
-
-
-@dataclass
 class RunConfig:
     """Groups shared by every training command."""
 
@@ -250,7 +215,12 @@ class RMConfig(RunConfig):
 
 @dataclass
 class PPOConfig(RunConfig):
-    """`megatron-rlhf ppo` (placeholder): PPO against a frozen reward model."""
+    """`megatron-rlhf ppo`: PPO against a frozen reward model, KL-penalised to the SFT reference.
+
+    `model.load` is the SFT checkpoint (policy init and the frozen reference); `data.train_path` /
+    `data.eval_path` hold prompt rows; the `train` group sets the policy optimizer (lr, Adam, clipping,
+    micro_batch_size); the `ppo` group the rest (ppo_config.PPOSection).
+    """
 
     ppo: PPOSection = field(default_factory=PPOSection)
 
@@ -547,11 +517,6 @@ def _walk(obj: Any, prefix: str = "") -> Iterator[tuple[str, Any, dataclasses.Fi
             yield from _walk(value, f"{prefix}{f.name}.")
 
 
-def _require(cond: bool, message: str) -> None:
-    if not cond:
-        raise ConfigError(message)
-
-
 def _paths_exist(pattern: str) -> bool:
     return os.path.exists(pattern) or bool(glob.glob(pattern))
 
@@ -580,7 +545,8 @@ def validate(cfg: Any) -> None:
     _require(t.clip_grad >= 0, f"train.clip_grad={t.clip_grad} must be >= 0 (0 = off)")
     _require(t.micro_batch_size >= 1, f"train.micro_batch_size={t.micro_batch_size} must be >= 1")
     _require(
-        t.global_batch_size >= 1 and t.global_batch_size % t.micro_batch_size == 0,
+        isinstance(cfg, PPOConfig)  # PPO's batches are ppo.rollout_batch_size / ppo.minibatch_size
+        or (t.global_batch_size >= 1 and t.global_batch_size % t.micro_batch_size == 0),
         f"train.global_batch_size={t.global_batch_size} must be a positive multiple of "
         f"train.micro_batch_size={t.micro_batch_size}",
     )
@@ -630,6 +596,8 @@ def validate(cfg: Any) -> None:
         f"model.num_attention_heads={m.num_attention_heads} is not divisible by "
         f"model.num_query_groups={m.num_query_groups}",
     )
+    if isinstance(cfg, PPOConfig):
+        validate_ppo(cfg)
     if isinstance(cfg, RMConfig):
         cal = cfg.calibration
         _require(cal.num_prompts >= 1, f"calibration.num_prompts={cal.num_prompts} must be >= 1")

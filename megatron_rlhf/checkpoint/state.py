@@ -231,13 +231,14 @@ HEAD_OF = {"policy": "lm", "reference": "lm", "reward": "scalar", "value": "scal
 CONVERTED_META = "megatron_rlhf_meta.json"  # written by tools/convert_hf_to_megatron.py
 
 
-def load_model_weights(path: str | os.PathLike, chunks, source_name: str, head: str) -> None:
+def load_model_weights(path: str | os.PathLike, chunks, source_name: str, head: str, skip_head: bool = False) -> None:
     """Initialise `chunks` (a model with `head` "lm"|"scalar") from a checkpoint, without optimizer state.
 
     `path` is a training checkpoint (root or step directory; the model saved as `source_name` is
     read) or a converted HF checkpoint (its own key prefix and head are read from its metadata).
     When the source has another head (a reward model started from an SFT policy or a causal LM),
     the output layer is left as built: a fresh scalar head. Any TP/PP layout loads any checkpoint.
+    `skip_head=True` keeps the built (fresh) output layer even when the source has the same head.
     """
     import json
 
@@ -249,7 +250,7 @@ def load_model_weights(path: str | os.PathLike, chunks, source_name: str, head: 
         prefix, source_head = meta.get("key_prefix", ""), meta.get("head", "lm")
     else:
         prefix, source_head = f"{source_name}.", HEAD_OF.get(source_name, "lm")
-    skip_head = ("scalar" if source_head in ("scalar", "score") else "lm") != head
+    skip_head = skip_head or ("scalar" if source_head in ("scalar", "score") else "lm") != head
     template = _model_state(chunks, prefix, exclude="output_layer" if skip_head else None)
     try:
         loaded = dist_checkpointing.load({"m": template}, str(step_dir))

@@ -56,9 +56,12 @@ class RolloutEngine(abc.ABC):
         prompt_mask: torch.Tensor,
         sampling: SamplingParams,
         generator: Optional[torch.Generator] = None,
+        uniforms: Optional[torch.Tensor] = None,
     ) -> Dict[str, torch.Tensor]:
         """prompt_ids [b, s] LEFT-padded, prompt_mask [b, s] bool (True on real tokens) -> the dict
-        described in the module docstring. `generator` drives sampling (seed it per data-parallel rank)."""
+        described in the module docstring. `generator` drives sampling (seed it per data-parallel rank);
+        or `uniforms` [b, max_new_tokens] in [0, 1): per-row inverse-CDF draws, which make the samples
+        independent of how prompts are split over ranks (engines that cannot use them say so)."""
 
     @abc.abstractmethod
     def update_weights(self, named_tensors: Iterable[Tuple[str, torch.Tensor]]) -> None:

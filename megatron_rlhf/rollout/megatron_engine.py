@@ -49,6 +49,7 @@ def generate(
     greedy: bool = False,
     generator: Optional[torch.Generator] = None,
     seed: Optional[int] = None,
+    uniforms: Optional[torch.Tensor] = None,
 ) -> Dict[str, torch.Tensor]:
     """Sample up to `max_new_tokens` tokens after each prompt with the KV cache.
 
@@ -64,6 +65,9 @@ def generate(
     temperature, greedy: see `SamplingParams`.
     generator / seed: sampling RNG (a torch.Generator on the model's device, or a seed to make one);
         neither: torch's default generator.
+    uniforms [b, T] float in [0, 1): instead of an RNG, response token k of row i is drawn by inverse CDF
+        with uniforms[i, k]. The draw then depends on the row alone, not on the batch it sits in, so
+        a batch split over data-parallel ranks samples the same tokens as on one rank (PPO uses this).
 
     Returns the dict described in `rollout/base.py`: response_ids, response_mask, logprobs [b, T],
     ended, lengths [b], with T = max_new_tokens.
@@ -80,7 +84,11 @@ def generate(
     gpt.eval()
     try:
         with torch.no_grad():
-            return _decode(gpt, prompt_ids.to(device), lengths, sampling, eos_id, pad_id, vocab_size, generator)
+            if uniforms is not None and tuple(uniforms.shape) != (prompt_ids.shape[0], max_new_tokens):
+                raise ValueError(f"uniforms {tuple(uniforms.shape)} must be [batch, max_new_tokens] = "
+                                 f"({prompt_ids.shape[0]}, {max_new_tokens})")
+            draws = None if uniforms is None else uniforms.to(device)
+            return _decode(gpt, prompt_ids.to(device), lengths, sampling, eos_id, pad_id, vocab_size, generator, draws)
     finally:
         gpt.train(was_training)
 
@@ -106,11 +114,11 @@ class MegatronRolloutEngine(RolloutEngine):
         self.model = model
         self.eos_id, self.pad_id, self.vocab_size = eos_id, pad_id, vocab_size
 
-    def generate(self, prompt_ids, prompt_mask, sampling: SamplingParams, generator=None):
+    def generate(self, prompt_ids, prompt_mask, sampling: SamplingParams, generator=None, uniforms=None):
         return generate(
             self.model, prompt_ids, prompt_mask=prompt_mask, max_new_tokens=sampling.max_new_tokens,
             eos_id=self.eos_id, pad_id=self.pad_id, vocab_size=self.vocab_size,
-            temperature=sampling.temperature, greedy=sampling.greedy, generator=generator,
+            temperature=sampling.temperature, greedy=sampling.greedy, generator=generator, uniforms=uniforms,
         )
 
     def update_weights(self, named_tensors: Iterable[Tuple[str, torch.Tensor]]) -> None:
@@ -123,7 +131,7 @@ class MegatronRolloutEngine(RolloutEngine):
 # --------------------------------------------------------------------------- decoding
 
 
-def _decode(gpt, prompt_ids, lengths, sampling: SamplingParams, eos_id, pad_id, vocab_size, generator):
+def _decode(gpt, prompt_ids, lengths, sampling: SamplingParams, eos_id, pad_id, vocab_size, generator, uniforms=None):
     from megatron.core.inference.contexts import StaticInferenceContext
 
     b, T = prompt_ids.shape[0], sampling.max_new_tokens
@@ -148,10 +156,11 @@ def _decode(gpt, prompt_ids, lengths, sampling: SamplingParams, eos_id, pad_id, 
     ctx.enable_decode_mode()
     t = shortest  # the slot whose token `logits` predicts
     while True:
-        token, token_logprob = _pick(logits, vocab_size, sampling, generator)
+        k = (t - lengths).clamp(0, T - 1)  # response index of slot t
+        u = None if uniforms is None else uniforms.gather(1, k.unsqueeze(1)).squeeze(1)
+        token, token_logprob = _pick(logits, vocab_size, sampling, generator, u)
         past_prompt = t >= lengths
         active = past_prompt & ~ended & (n_generated < T)
-        k = (t - lengths).clamp(0, T - 1)  # response index of slot t
         response[rows[active], k[active]] = token[active]
         logprobs[rows[active], k[active]] = token_logprob[active]
         seq[active, t] = token[active]
@@ -188,15 +197,22 @@ def _forward(gpt, tokens: torch.Tensor, start: int, ctx) -> torch.Tensor:
 
 
 def _pick(
-    logits: torch.Tensor, vocab_size: int, sampling: SamplingParams, generator
+    logits: torch.Tensor, vocab_size: int, sampling: SamplingParams, generator, u: Optional[torch.Tensor] = None
 ) -> Tuple[torch.Tensor, torch.Tensor]:
-    """logits [b, V_padded] -> (token [b] long, its log-prob [b] fp32 under softmax(logits / temperature))."""
+    """logits [b, V_padded] -> (token [b] long, its log-prob [b] fp32 under softmax(logits / temperature)).
+
+    u [b] in [0, 1): inverse-CDF draws (one per row) instead of `torch.multinomial` with `generator`.
+    """
     if logits.shape[-1] < vocab_size:
         raise ValueError(f"vocab_size={vocab_size} is larger than the model's {logits.shape[-1]} logits")
     z = logits[:, :vocab_size].float() / sampling.temperature
     log_probs = torch.log_softmax(z, dim=-1)
     if sampling.greedy:
         token = z.argmax(dim=-1)
+    elif u is not None:
+        cdf = log_probs.exp().cumsum(dim=-1)
+        # right=True: the first id whose cdf exceeds the draw, so zero-probability ids are never picked.
+        token = torch.searchsorted(cdf, (u * cdf[:, -1]).unsqueeze(-1), right=True).squeeze(-1).clamp(max=vocab_size - 1)
     else:
         token = torch.multinomial(log_probs.exp(), 1, generator=generator).squeeze(-1)
     token = _same_on_tp_ranks(token)

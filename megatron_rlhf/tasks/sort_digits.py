@@ -167,6 +167,12 @@ def true_score_ids(prompt_ids: Sequence[int], response_ids: Sequence[int]) -> fl
     return score_tokens(op, digits, [VOCAB[i] for i in response], finished)
 
 
+def gold_scores(prompts: Sequence[str], responses: Sequence[str]) -> List[float]:
+    """The PPO stage's gold scorer for this task (`ppo.gold_scorer: megatron_rlhf.tasks.sort_digits:gold_scores`):
+    true scores of response texts, which carry ``<eos>`` when the response finished."""
+    return [true_score(p, r) for p, r in zip(prompts, responses)]
+
+
 def label_pair(
     prompt: str,
     response_a: str,

@@ -13,15 +13,19 @@ from typing import List
 import torch
 
 
-def wrap_ddp(chunks: List[torch.nn.Module], use_distributed_optimizer: bool) -> List[torch.nn.Module]:
-    """Megatron DDP around each chunk, with per-token loss normalisation switched on."""
+def wrap_ddp(chunks: List[torch.nn.Module], use_distributed_optimizer: bool,
+             check_for_nan_in_grad: bool = True) -> List[torch.nn.Module]:
+    """Megatron DDP around each chunk, with per-token loss normalisation switched on.
+
+    `check_for_nan_in_grad=False` when the caller checks gradients itself and skips bad steps (PPO).
+    """
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
 
     ddp_config = DistributedDataParallelConfig(
         grad_reduce_in_fp32=True,
         overlap_grad_reduce=False,
         use_distributed_optimizer=use_distributed_optimizer,
-        check_for_nan_in_grad=True,
+        check_for_nan_in_grad=check_for_nan_in_grad,
     )
     wrapped = []
     for i, chunk in enumerate(chunks):

@@ -109,16 +109,39 @@ def _pp_size() -> int:
     return ps.get_pipeline_model_parallel_world_size()
 
 
-def train_step(chunks, optimizer, scheduler, microbatches: Iterable[Batch], forward_step) -> Dict[str, float]:
+def grads_finite(chunks) -> bool:
+    """True when every gradient of every rank is finite (one MAX all-reduce over the world, one sync)."""
+    flags = []
+    for chunk in chunks:
+        for p in chunk.parameters():
+            g = getattr(p, "main_grad", None)
+            g = p.grad if g is None else g
+            if g is not None:
+                flags.append(torch.isfinite(g).all())
+    device = flags[0].device if flags else torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    bad = (~torch.stack(flags).all()).float().reshape(1) if flags else torch.zeros(1, device=device)
+    if torch.distributed.is_initialized():
+        torch.distributed.all_reduce(bad, op=torch.distributed.ReduceOp.MAX)
+    return not bool(bad.item())
+
+
+def train_step(chunks, optimizer, scheduler, microbatches: Iterable[Batch], forward_step,
+               skip_nonfinite: bool = False) -> Dict[str, float]:
     """Zero grads, forward/backward over all microbatches, optimizer step, scheduler step.
 
     Returns reduced stats plus `grad_norm`, `lr` and `skipped` (1.0 if the step was skipped).
+    `skip_nonfinite`: a NaN/Inf gradient on any rank skips the optimizer step (weights, optimizer
+    state and schedule untouched) instead of applying it; the caller decides when to give up.
     """
     microbatches = list(microbatches)
     for chunk in chunks:
         chunk.zero_grad_buffer()
     optimizer.zero_grad()
     outputs = run_schedule(chunks, microbatches, forward_step)
+    if skip_nonfinite and not grads_finite(chunks):
+        stats = reduce_stats(outputs)
+        stats.update(grad_norm=float("nan"), lr=optimizer.param_groups[0]["lr"], skipped=1.0)
+        return stats
     ok, grad_norm, _ = optimizer.step()
     if ok:
         scheduler.step(increment=1)

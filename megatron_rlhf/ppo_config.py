@@ -1,0 +1,94 @@
+"""The `ppo` config group of `megatron-rlhf ppo` (defaults follow ppo-spec.md and tiny-task.md)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+from megatron_rlhf.fields import help_field as _f
+from megatron_rlhf.fields import require
+
+
+@dataclass
+class PPOSection:
+    """PPO: four models (policy, value, frozen reference, frozen reward), rollout -> score -> learn."""
+
+    reward_load: Optional[str] = _f(None, "reward model checkpoint (stage 2 output; its reward_calibration is used)")
+    value_load: Optional[str] = _f(None, "value model init checkpoint; null = reward_load")
+    value_head: str = _f("rm", "value head: the RM's scalar head, or a fresh zero head", choices=("rm", "fresh"))
+    value_lr: Optional[float] = _f(None, "value model lr; null = train.lr")
+    value_warmup_iterations: int = _f(0, "first N iterations train only the value model")
+    iterations: int = _f(100, "PPO iterations (rollout + learn)")
+    rollout_batch_size: int = _f(128, "prompts per iteration, over all data-parallel ranks")
+    minibatch_size: int = _f(64, "rollouts per optimizer step, over all data-parallel ranks")
+    epochs: int = _f(2, "passes over each rollout batch")
+    max_new_tokens: int = _f(64, "generation length limit")
+    temperature: float = _f(1.0, "sampling temperature (logprobs are taken at the same temperature)")
+    beta: float = _f(0.05, "KL penalty coefficient (initial value when adaptive)")
+    kl_estimator: str = _f("k1", "per-token KL estimator in the reward", choices=("k1", "k2", "k3"))
+    adaptive_kl_target: Optional[float] = _f(None, "target KL per sequence (nats); null = fixed beta")
+    adaptive_kl_gain: float = _f(0.1, "adaptive KL proportional gain")
+    gamma: float = _f(1.0, "discount")
+    lam: float = _f(0.95, "GAE lambda")
+    clip_eps: float = _f(0.2, "policy ratio clip")
+    value_clip_eps: float = _f(0.2, "value clip")
+    vf_coef: float = _f(0.1, "value-loss coefficient")
+    entropy_coef: float = _f(0.0, "entropy bonus coefficient")
+    whiten_advantages: bool = _f(True, "whiten advantages over the whole rollout batch (all DP ranks)")
+    normalize_reward: bool = _f(True, "normalise RM scores with the RM checkpoint's reward_calibration")
+    missing_eos_penalty: float = _f(1.0, "a response without EOS scores -this (instead of the RM score)")
+    eval_interval: int = _f(10, "evaluate on held-out prompts every N iterations (and at 0 and the end); 0 = ends only")
+    eval_prompts: int = _f(256, "held-out prompts per evaluation (data.eval_path)")
+    sample_interval: int = _f(10, "write a text panel of sample responses every N iterations; 0 = off")
+    gold_scorer: Optional[str] = _f(None, "'module:function' (prompts, responses) -> gold scores, e.g. the tiny task's true score")
+    max_consecutive_skips: int = _f(3, "stop after this many optimizer steps in a row skipped for NaN/Inf")
+    offload_frozen: bool = _f(False, "GPU: keep reference and reward weights on the CPU between uses")
+    export_hf: bool = _f(True, "export the final policy to <run_dir>/hf_policy (transformers format)")
+
+
+def validate_ppo(cfg) -> None:
+    """Checks of the `ppo` group that need no world size (the data-parallel split is checked at start)."""
+    p = cfg.ppo
+    require(p.reward_load is not None, "ppo.reward_load is not set: give the reward model checkpoint (stage 2 output)")
+    require(cfg.model.load is not None, "model.load is not set: PPO starts the policy and the reference from the SFT checkpoint")
+    for name in ("iterations", "rollout_batch_size", "minibatch_size", "epochs", "max_new_tokens", "eval_prompts",
+                 "max_consecutive_skips"):
+        v = getattr(p, name)
+        require(v >= 1, f"ppo.{name}={v} must be >= 1")
+    require(p.rollout_batch_size % p.minibatch_size == 0,
+            f"ppo.rollout_batch_size={p.rollout_batch_size} must be a multiple of ppo.minibatch_size={p.minibatch_size}")
+    require(p.temperature > 0, f"ppo.temperature={p.temperature} must be > 0")
+    require(p.beta >= 0, f"ppo.beta={p.beta} must be >= 0")
+    require(p.adaptive_kl_target is None or p.adaptive_kl_target > 0,
+            f"ppo.adaptive_kl_target={p.adaptive_kl_target} must be > 0 or null")
+    require(p.adaptive_kl_target is None or p.beta > 0, "ppo.adaptive_kl_target needs ppo.beta > 0 to scale from")
+    require(0 < p.lam <= 1 and 0 < p.gamma <= 1, f"ppo.gamma={p.gamma} and ppo.lam={p.lam} must be in (0, 1]")
+    require(p.clip_eps > 0 and p.value_clip_eps > 0, "ppo.clip_eps and ppo.value_clip_eps must be > 0")
+    require(p.vf_coef > 0, f"ppo.vf_coef={p.vf_coef} must be > 0")
+    require(p.entropy_coef >= 0, f"ppo.entropy_coef={p.entropy_coef} must be >= 0")
+    require(p.value_lr is None or p.value_lr > 0, f"ppo.value_lr={p.value_lr} must be > 0 or null")
+    require(0 <= p.value_warmup_iterations < p.iterations,
+            f"ppo.value_warmup_iterations={p.value_warmup_iterations} must be in [0, ppo.iterations={p.iterations})")
+    require(p.eval_interval >= 0 and p.sample_interval >= 0, "ppo.eval_interval and ppo.sample_interval must be >= 0")
+    prompt_budget = cfg.data.max_prompt_len or cfg.data.max_seq_len
+    require(prompt_budget + p.max_new_tokens <= cfg.model.max_position_embeddings,
+            f"data.max_prompt_len (or data.max_seq_len) {prompt_budget} + ppo.max_new_tokens {p.max_new_tokens} exceeds "
+            f"model.max_position_embeddings={cfg.model.max_position_embeddings}: lower one of them")
+    require(p.gold_scorer is None or ":" in p.gold_scorer,
+            f"ppo.gold_scorer={p.gold_scorer!r} must be 'module:function'")
+
+
+def check_ppo_layout(cfg, dp_size: int) -> None:
+    """The rollout and minibatch split over data-parallel ranks and micro-batches (one clear error)."""
+    from megatron_rlhf.fields import ConfigError
+
+    p, mbs = cfg.ppo, cfg.train.micro_batch_size
+    if p.minibatch_size % (dp_size * mbs):
+        raise ConfigError(
+            f"ppo.minibatch_size={p.minibatch_size} is not divisible by data-parallel size * train.micro_batch_size "
+            f"= {dp_size}*{mbs}: change one of them")
+    if cfg.parallel.pp > 1 or cfg.parallel.cp > 1 or cfg.parallel.sequence_parallel:
+        raise ConfigError(
+            "the PPO stage generates with the Megatron sampler in the training layout, which needs "
+            f"parallel.pp=1, cp=1 and no sequence_parallel (got pp={cfg.parallel.pp}, cp={cfg.parallel.cp}, "
+            f"sequence_parallel={cfg.parallel.sequence_parallel}); use tp and dp for now")

@@ -1,0 +1,165 @@
+"""Phases 2-4 of a PPO iteration, on this data-parallel rank's rollouts:
+
+    2. score:       reward model at the last real token; no EOS -> -missing_eos_penalty; normalised
+    3. recompute:   policy logprobs (PPO's old logprobs), reference logprobs, values
+    4. advantages:  shaped rewards -> GAE -> whitening over all data-parallel ranks
+
+Every forward goes through Megatron's schedule (`run_schedule`, forward only), so pipelined layouts
+work the same way; per-token outputs are read at the response positions of `Experience.response_index`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable, Dict, List
+
+import torch
+
+from megatron_rlhf.algo import advantages as adv
+from megatron_rlhf.algo import masked
+from megatron_rlhf.algo.rewards import penalize_missing_eos, shaped_rewards
+from megatron_rlhf.batch import Experience
+from megatron_rlhf.models.logprobs import token_entropy, token_logprobs
+from megatron_rlhf.trainer.step import position_ids_for, run_schedule
+
+Batch = Dict[str, torch.Tensor]
+
+
+@dataclass
+class Frozen:
+    """What scoring needs besides the models: vocabulary, temperature and reward normalisation."""
+
+    vocab_size: int
+    temperature: float
+    reward_mean: float = 0.0
+    reward_std: float = 1.0
+    missing_eos_penalty: float = 1.0
+
+
+def tp_group():
+    """The tensor-parallel group the vocabulary is split over, or None without TP."""
+    from megatron.core import parallel_state as ps
+
+    return ps.get_tensor_model_parallel_group() if ps.get_tensor_model_parallel_world_size() > 1 else None
+
+
+def at_response(output: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+    """output [b, S, X], index [b, T] -> [b, T, X]: the outputs at each response token's predicting position."""
+    return output.gather(1, index.unsqueeze(-1).expand(-1, -1, output.shape[-1]))
+
+
+def response_logprobs(logits: torch.Tensor, mb: Batch, vocab_size: int, temperature: float) -> torch.Tensor:
+    """Vocab-parallel logits [b, S, V/tp] -> log-probs [b, T] of the response tokens (padded ids excluded)."""
+    z = at_response(logits, mb["response_index"])
+    return token_logprobs(z, mb["response_ids"], tp_group(), vocab_size, temperature)
+
+
+def response_entropy(logits: torch.Tensor, mb: Batch, vocab_size: int, temperature: float) -> torch.Tensor:
+    """Vocab-parallel logits [b, S, V/tp] -> entropy [b, T] of the policy at each response position."""
+    return token_entropy(at_response(logits, mb["response_index"]), tp_group(), vocab_size, temperature)
+
+
+def response_values(output: torch.Tensor, mb: Batch) -> torch.Tensor:
+    """Scalar-head output [b, S, 1] -> V(s_t) [b, T] (fp32)."""
+    return at_response(output, mb["response_index"]).squeeze(-1).float()
+
+
+def last_token_scores(output: torch.Tensor, mb: Batch) -> torch.Tensor:
+    """Scalar-head output [b, S, 1] -> [b] at each row's last real token (prompt + response - 1)."""
+    last = (mb["prompt_lengths"] + mb["response_mask"].sum(-1).long() - 1).clamp(min=0)
+    return output.squeeze(-1).gather(1, last.unsqueeze(1)).squeeze(1).float()
+
+
+def forward_collect(chunks, microbatches: List[Batch], extract: Callable[[torch.Tensor, Batch], torch.Tensor]) -> List[torch.Tensor]:
+    """Forward-only pass; `extract(output, mb)` per micro-batch, returned on every pipeline rank."""
+    from megatron.core import parallel_state as ps
+
+    def forward_step(data_iterator, model):
+        mb = next(data_iterator)
+        output = model(mb["input_ids"], position_ids_for(mb["input_ids"]), None)
+
+        def loss_func(out):
+            return torch.zeros(()), torch.tensor(1, dtype=torch.int), {"out": extract(out, mb).detach()}
+
+        return output, loss_func
+
+    modes = [c.training for c in chunks]
+    for c in chunks:
+        c.eval()
+    with torch.no_grad():
+        outputs = run_schedule(chunks, microbatches, forward_step, forward_only=True)
+    for c, mode in zip(chunks, modes):
+        c.train(mode)
+    results = [o["out"] for o in outputs]
+    if ps.get_pipeline_model_parallel_world_size() > 1:  # only the last stage computed them
+        box = [results]
+        torch.distributed.broadcast_object_list(box, src=ps.get_pipeline_model_parallel_last_rank(),
+                                                group=ps.get_pipeline_model_parallel_group())
+        results = box[0]
+    return results
+
+
+def score_and_recompute(exp: Experience, models: Dict[str, list], frozen: Frozen, micro_batch_size: int,
+                        with_values: bool = True) -> Experience:
+    """Phases 2-3: fills logprobs, ref_logprobs, values, rm_scores and scores of `exp` (in place; returned).
+
+    `models`: chunks by name ("policy", "reference", "reward" and, with `with_values`, "value")."""
+    mbs = exp.microbatches(micro_batch_size)
+    v, t = frozen.vocab_size, frozen.temperature
+    cat = lambda parts: torch.cat(parts)  # noqa: E731
+    raw = cat(forward_collect(models["reward"], mbs, last_token_scores))
+    exp.rm_scores = (raw - frozen.reward_mean) / frozen.reward_std
+    exp.scores = penalize_missing_eos(exp.rm_scores, exp.ended, -frozen.missing_eos_penalty)
+    exp.logprobs = cat(forward_collect(models["policy"], mbs, lambda o, mb: response_logprobs(o, mb, v, t)))
+    exp.ref_logprobs = cat(forward_collect(models["reference"], mbs, lambda o, mb: response_logprobs(o, mb, v, t)))
+    mask = exp.response_mask
+    if with_values:
+        exp.values = cat(forward_collect(models["value"], mbs, response_values)) * mask
+    exp.logprobs, exp.ref_logprobs = exp.logprobs * mask, exp.ref_logprobs * mask
+    return exp
+
+
+def estimate_advantages(exp: Experience, beta: float, kl_estimator: str, gamma: float, lam: float,
+                        whiten: bool, dp_group=None) -> Experience:
+    """Phase 4: shaped rewards, GAE (advantages, returns), advantages whitened over `dp_group`."""
+    mask = exp.response_mask
+    exp.rewards = shaped_rewards(exp.scores, exp.logprobs, exp.ref_logprobs, mask, beta, kl_estimator)
+    advantages, exp.returns = adv.gae(exp.rewards, exp.values, mask, gamma=gamma, lam=lam)
+    exp.advantages = masked.whiten(advantages, mask, group=dp_group) if whiten else advantages
+    return exp
+
+
+def rollout_stats(exp: Experience, dp_group=None) -> Dict[str, torch.Tensor]:
+    """Rollout diagnostics as global means over `dp_group` (0-dim tensors; the trainer logs them).
+
+    kl_per_seq: sum over tokens of the k1 estimate (logp - logp_ref), mean over sequences;
+    rho = exp(trainer logp - sampler logp) per token: mean, mean |rho - 1|, max.
+    """
+    mask = exp.response_mask
+    seq = torch.ones_like(exp.scores)
+    log_ratio = (exp.logprobs - exp.ref_logprobs) * mask
+    rho = torch.exp((exp.logprobs - exp.sampler_logprobs) * mask)
+    explained = explained_variance(exp.values, exp.returns, mask, dp_group)
+    rho_max = (rho * mask).max() if mask.sum() > 0 else torch.ones(())
+    if dp_group is not None and torch.distributed.get_world_size(dp_group) > 1:
+        torch.distributed.all_reduce(rho_max, op=torch.distributed.ReduceOp.MAX, group=dp_group)
+    return {
+        "rm_score": masked.masked_mean(exp.rm_scores, seq, dp_group),
+        "score": masked.masked_mean(exp.scores, seq, dp_group),
+        "kl_per_seq": masked.masked_mean(log_ratio.sum(-1), seq, dp_group),
+        "kl_per_token": masked.masked_mean(log_ratio, mask, dp_group),
+        "response_length": masked.masked_mean(mask.sum(-1), seq, dp_group),
+        "truncation_rate": masked.masked_mean((~exp.ended).float(), seq, dp_group),
+        "value_explained_variance": explained,
+        "return_mean": masked.masked_mean(exp.returns, mask, dp_group),
+        "rho_mean": masked.masked_mean(rho, mask, dp_group),
+        "rho_abs_dev": masked.masked_mean((rho - 1).abs(), mask, dp_group),
+        "rho_max": rho_max,
+    }
+
+
+def explained_variance(values: torch.Tensor, returns: torch.Tensor, mask: torch.Tensor, group=None) -> torch.Tensor:
+    """1 - Var(returns - values) / Var(returns) over real tokens (global over `group`)."""
+    var_returns = masked.masked_var(returns, mask, group)
+    var_error = masked.masked_var(returns - values, mask, group)
+    return 1.0 - var_error / var_returns.clamp(min=1e-8)

@@ -1,0 +1,188 @@
+"""Stage 3, PPO (`megatron-rlhf ppo`): InstructGPT's RL stage against a frozen reward model.
+
+One iteration, each phase timed as time/<phase>:
+    1. rollout     ppo.rollout_batch_size prompts (split over data-parallel ranks) -> the RolloutEngine
+    2-3. score     reward model, missing-EOS penalty, normalisation; old/reference logprobs, values
+    4. advantages  shaped rewards -> GAE -> whitening over all DP ranks (trainer/experience.py)
+    5. train       ppo.epochs x minibatches: one policy step and one value step each (trainer/ppo_learn.py)
+    6. after       KL controller, metrics + doctor warnings, eval, samples, checkpoint
+Everything a run needs to continue bit-identically is checkpointed (models, optimizers, schedulers, KL
+controller, doctor, prompt cursor, step counters); sampling draws are a function of (seed, iteration).
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from pathlib import Path
+from typing import Dict, List
+
+import torch
+
+from megatron_rlhf import data as D
+from megatron_rlhf.algo.kl import AdaptiveKLController, FixedKLController
+from megatron_rlhf.batch import Experience, all_gather_experience
+from megatron_rlhf.checkpoint import state as ckpt
+from megatron_rlhf.metrics import peak_memory_gib
+from megatron_rlhf.parallel import init
+from megatron_rlhf.ppo_config import check_ppo_layout
+from megatron_rlhf.rollout.base import SamplingParams
+from megatron_rlhf.rollout.megatron_engine import MegatronRolloutEngine
+from megatron_rlhf.trainer.doctor import Doctor, DoctorConfig
+from megatron_rlhf.trainer.experience import Frozen, estimate_advantages, rollout_stats, score_and_recompute
+from megatron_rlhf.trainer.ppo_eval import evaluate, generate, load_gold_scorer, sample_panel, summary, uniforms
+from megatron_rlhf.trainer.ppo_learn import SkipGuard, TrainingDiverged, learn
+from megatron_rlhf.trainer.ppo_models import build_ppo_models
+from megatron_rlhf.trainer.run import StopFlag, open_metrics, record_run, resume_point, start_run, write_json
+
+NAMESPACES = ("ppo", "eval", "time", "perf", "warn")
+
+
+def run(cfg) -> int:
+    """`megatron-rlhf ppo`: 0 when the run finished or saved on a stop request, 3 when it diverged."""
+    try:
+        fit(cfg)
+    except TrainingDiverged as e:
+        import sys
+
+        if not torch.distributed.is_initialized() or torch.distributed.get_rank() == 0:
+            print(f"error: {e}", file=sys.stderr, flush=True)
+        init.destroy()
+        return 3
+    return 0
+
+
+def fit(cfg) -> Dict[str, float]:
+    """Train to `ppo.iterations` (or a stop request); returns the last eval metrics."""
+    p, started = cfg.ppo, time.time()
+    ctx = start_run(cfg, lambda dp: check_ppo_layout(cfg, dp))
+    from megatron.core import parallel_state as ps
+
+    dp_group, tok, log = ps.get_data_parallel_group(), ctx.tokenizer, ctx.log
+    train_prompts, eval_prompts = load_prompts(cfg, tok, log)
+    sampler = D.ShardedBatchSampler(len(train_prompts), p.rollout_batch_size, ctx.dp_rank, ctx.dp_size, seed=cfg.data.seed)
+    steps_per_iteration = p.epochs * (p.rollout_batch_size // p.minibatch_size)
+    m = build_ppo_models(cfg, ctx, p.iterations * steps_per_iteration)
+    vocab = ctx.model_cfg.vocab_size
+    frozen = Frozen(vocab, p.temperature, m.reward_mean, m.reward_std, p.missing_eos_penalty)
+    kl_ctl = (AdaptiveKLController(p.beta, p.adaptive_kl_target, p.adaptive_kl_gain) if p.adaptive_kl_target
+              else FixedKLController(p.beta))
+    doctor, gold = Doctor(DoctorConfig()), load_gold_scorer(p.gold_scorer)
+    trained = {"policy": m.policy.chunks, "value": m.value.chunks}
+    optimizers = {"policy": m.policy.optimizer, "value": m.value.optimizer}
+    schedulers = {"policy": m.policy.scheduler, "value": m.value.scheduler}
+
+    iteration, steps_done, baseline, last_eval = 0, {"policy": 0, "value": 0}, None, {}
+    resume_from = resume_point(cfg, ctx)
+    if resume_from is not None:
+        extra = ckpt.load_checkpoint(resume_from, trained, optimizers, schedulers)
+        iteration, steps_done = int(extra["step"]), dict(extra["steps_done"])
+        if iteration == p.iterations and log:
+            log(f"{resume_from} is the end of this run ({iteration} iterations): nothing to train; "
+                "rewriting summary.json and hf_policy (raise ppo.iterations to train further)")
+        sampler.load_state_dict(extra["data"])
+        kl_ctl.load_state_dict(extra["kl"])
+        doctor.load_state_dict(extra["doctor"])
+        baseline, last_eval = extra["baseline"], extra["last_eval"]
+        if log:
+            log(f"resumed from {resume_from} at iteration {iteration}")
+    record_run(cfg, ctx)
+
+    def save(at: int) -> None:
+        ckpt.save_checkpoint(ctx.ckpt_root, at, trained, optimizers, schedulers, {
+            "data": sampler.state_dict(), "kl": kl_ctl.state_dict(), "doctor": doctor.state_dict(),
+            "steps_done": steps_done, "baseline": baseline, "last_eval": last_eval}, keep_last=cfg.checkpoint.keep_last)
+
+    engine = MegatronRolloutEngine(m.policy.chunks, eos_id=tok.eos_token_id, pad_id=tok.pad_token_id, vocab_size=vocab)
+    evaluate_policy = lambda: evaluate(engine, m.forward_models(), frozen, eval_prompts, cfg,  # noqa: E731
+                                       ctx.dp_rank, ctx.dp_size, tok, gold, dp_group) if eval_prompts else {}
+    metrics = open_metrics(cfg, ctx, p.iterations, iteration, namespaces=NAMESPACES, desc="ppo")
+    guard, stop = SkipGuard(p.max_consecutive_skips, log), StopFlag()
+    if baseline is None:  # iteration 0: the SFT policy, the reference point of summary.json
+        baseline = last_eval = evaluate_policy()
+        metrics.log(0, baseline)
+    stop_at, resumed_at = min(p.iterations, cfg.train.exit_at_step or p.iterations), iteration
+    while iteration < stop_at:
+        with metrics.timer("time/iteration") as timing:
+            with metrics.timer("time/rollout"):
+                exp = rollout(engine, train_prompts, next(sampler), cfg, iteration, ctx.dp_rank, tok)
+            with metrics.timer("time/score"):
+                score_and_recompute(exp, m.forward_models(), frozen, cfg.train.micro_batch_size)
+            with metrics.timer("time/advantages"):
+                estimate_advantages(exp, kl_ctl.beta, p.kl_estimator, p.gamma, p.lam, p.whiten_advantages, dp_group)
+                stats = {f"ppo/{k}": float(v) for k, v in rollout_stats(exp, dp_group).items()}
+                batch = all_gather_experience(exp, dp_group)
+            with metrics.timer("time/train"):
+                learned = learn(m.policy, m.value, batch, cfg, iteration=iteration, dp_rank=ctx.dp_rank,
+                                dp_size=ctx.dp_size, vocab_size=vocab, guard=guard, steps_done=steps_done,
+                                train_policy=iteration >= p.value_warmup_iterations)
+        iteration += 1
+        stats.update({f"ppo/{k}": v for k, v in learned.items()})
+        stats["ppo/beta"] = kl_ctl.beta
+        kl_ctl.update(stats["ppo/kl_per_seq"])
+        stats.update(perf_stats(batch, timing.seconds))
+        if (p.eval_interval and iteration % p.eval_interval == 0) or iteration == p.iterations:
+            last_eval = evaluate_policy()
+            stats.update(last_eval)
+        for warning in doctor.check(iteration, stats):
+            metrics.write(f"warning: iteration {iteration}: {warning.message}")
+        stats.update(doctor.counts())
+        metrics.log(iteration, stats)
+        if p.sample_interval and iteration % p.sample_interval == 0:
+            metrics.log_text("samples", sample_panel(exp, tok, gold), step=iteration)
+        if stop.any_rank():
+            save(iteration)
+            if log:
+                log(f"stop requested: saved checkpoint at iteration {iteration}, exiting")
+            metrics.close()
+            init.destroy()
+            return last_eval
+        if cfg.checkpoint.save_interval and iteration % cfg.checkpoint.save_interval == 0:
+            save(iteration)
+    if resume_from is None or iteration > resumed_at:
+        save(iteration)
+    if iteration == p.iterations:
+        finish(cfg, ctx, m, baseline, last_eval, time.time() - started)
+    metrics.close()
+    init.destroy()
+    return last_eval
+
+
+def load_prompts(cfg, tokenizer, log) -> tuple[List[List[int]], List[List[int]]]:
+    """Token ids of the training prompts (data.train_path) and the held-out ones (data.eval_path, may be empty)."""
+    train, _ = D.load_examples("prompt", cfg.data, tokenizer, cfg.data.train_path, log)
+    held_out = D.load_examples("prompt", cfg.data, tokenizer, cfg.data.eval_path, log)[0] if cfg.data.eval_path else None
+    return list(train["prompt_ids"]), list(held_out["prompt_ids"]) if held_out is not None else []
+
+
+def rollout(engine, prompts: List[List[int]], indices: List[int], cfg, iteration: int, dp_rank: int, tokenizer) -> Experience:
+    """Phase 1: this rank's share of the iteration's prompts -> sampled responses (draws from (seed, iteration))."""
+    p = cfg.ppo
+    share = slice(dp_rank * len(indices), (dp_rank + 1) * len(indices))
+    draws = uniforms(cfg.train.seed, iteration, share, p.rollout_batch_size, p.max_new_tokens)
+    return generate(engine, [prompts[i] for i in indices], tokenizer, SamplingParams(p.max_new_tokens, p.temperature), draws)
+
+
+def perf_stats(batch: Experience, seconds: float) -> Dict[str, float]:
+    """Tokens of the global rollout batch (prompt + response) per second of the iteration, and peak memory."""
+    out = {"perf/peak_memory_gib": peak_memory_gib(), "perf/tokens_per_iteration": float(batch.sequence_lengths.sum())}
+    if seconds:
+        out["perf/tokens_per_s"] = out["perf/tokens_per_iteration"] / seconds
+    return out
+
+
+def finish(cfg, ctx, m, baseline: Dict[str, float], final: Dict[str, float], seconds: float) -> None:
+    """The end of a run: <run_dir>/summary.json (rank 0) and the policy in HF format (collective)."""
+    run_dir = cfg.logging.run_dir
+    if cfg.ppo.export_hf:
+        from megatron_rlhf.checkpoint.hf import save_hf_from_model
+        from megatron_rlhf.checkpoint.hf_io import copy_tokenizer_files
+
+        out = os.path.join(run_dir, "hf_policy")
+        save_hf_from_model(m.policy.chunks, ctx.model_cfg, "lm", out, overwrite=True)
+        if ctx.rank0:
+            copy_tokenizer_files(Path(cfg.tokenizer.path), Path(out))
+    if ctx.rank0:
+        result = summary(baseline or {}, final or {}, {"iterations": cfg.ppo.iterations, "wall_seconds": seconds})
+        write_json(os.path.join(run_dir, "summary.json"), result)
+        ctx.log(f"summary: {result}")

@@ -1,0 +1,135 @@
+"""Held-out evaluation of the PPO policy, the gold scorer, sample panels and the run summary.
+
+Every evaluation uses the same held-out prompts and the same sampling draws, so its numbers are
+comparable across iterations and between the SFT policy (iteration 0) and the final policy:
+
+    eval/rm_score, eval/gold_score, eval/kl (per sequence, k1 vs the reference), eval/response_length,
+    eval/truncation_rate, and the same for greedy decoding as eval/greedy_*.
+
+The gold scorer (`ppo.gold_scorer: "module:function"`) maps (prompt texts, response texts) to scores
+(the tiny task's true score). Response texts keep the EOS token text when the response emitted it,
+so a scorer can tell finished from cut-off responses. eval/gold_score beside eval/rm_score is how
+reward hacking shows: the RM score rises while the gold score falls.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import Callable, Dict, List, Optional, Sequence
+
+import torch
+
+from megatron_rlhf.algo import masked
+from megatron_rlhf.batch import Experience, build_experience
+from megatron_rlhf.rollout.base import SamplingParams
+from megatron_rlhf.trainer.experience import Frozen, score_and_recompute
+
+GoldScorer = Callable[[List[str], List[str]], Sequence[float]]
+EVAL_SEED_OFFSET = 7_777_777  # eval draws never coincide with a training iteration's
+
+
+def load_gold_scorer(spec: Optional[str]) -> Optional[GoldScorer]:
+    """'module:function' -> the function (None when not configured)."""
+    if not spec:
+        return None
+    from megatron_rlhf.fields import ConfigError
+
+    module, _, name = spec.partition(":")
+    try:
+        fn = getattr(importlib.import_module(module), name)
+    except (ImportError, AttributeError) as e:
+        raise ConfigError(f"ppo.gold_scorer={spec!r} cannot be imported ({e}): give an importable 'module:function'") from None
+    return fn
+
+
+def texts(tokenizer, exp: Experience) -> tuple[List[str], List[str]]:
+    """(prompt texts without special tokens, response texts with the EOS token when emitted)."""
+    prompts, responses = [], []
+    for i in range(exp.size):
+        prompt = exp.input_ids[i, : int(exp.prompt_lengths[i])].tolist()
+        response = exp.response_ids[i, : int(exp.response_mask[i].sum())].tolist()
+        prompts.append(tokenizer.decode(prompt, skip_special_tokens=True))
+        responses.append(tokenizer.decode(response, skip_special_tokens=False))
+    return prompts, responses
+
+
+def gold_scores(gold: Optional[GoldScorer], tokenizer, exp: Experience) -> Optional[torch.Tensor]:
+    if gold is None:
+        return None
+    prompts, responses = texts(tokenizer, exp)
+    return torch.tensor([float(x) for x in gold(prompts, responses)], dtype=torch.float32)
+
+
+def uniforms(seed: int, iteration: int, rows: slice, total: int, max_new_tokens: int) -> torch.Tensor:
+    """[rows, T] sampling draws of global rows `rows` out of `total`, a function of (seed, iteration) alone."""
+    g = torch.Generator().manual_seed(seed * 1_000_003 + iteration + 1)
+    return torch.rand(total, max_new_tokens, generator=g)[rows]
+
+
+def generate(engine, prompt_rows: List[List[int]], tokenizer, sampling: SamplingParams,
+             draws: Optional[torch.Tensor]) -> Experience:
+    """Left-pad the prompts, generate, and assemble the rollout part of an Experience."""
+    from megatron_rlhf.data import collate_prompts
+
+    batch = collate_prompts([{"prompt_ids": p} for p in prompt_rows], pad_id=tokenizer.pad_token_id)
+    out = engine.generate(batch["input_ids"], batch["attention_mask"], sampling, uniforms=draws)
+    return build_experience(prompt_rows, out, tokenizer.pad_token_id)
+
+
+@torch.no_grad()
+def evaluate(engine, models: Dict[str, list], frozen: Frozen, prompts: List[List[int]], cfg, dp_rank: int,
+             dp_size: int, tokenizer, gold: Optional[GoldScorer], dp_group=None) -> Dict[str, float]:
+    """Sampled and greedy responses to the first `ppo.eval_prompts` held-out prompts (split over DP ranks)."""
+    p = cfg.ppo
+    n = min(p.eval_prompts, len(prompts)) // dp_size * dp_size
+    share = slice(dp_rank * n // dp_size, (dp_rank + 1) * n // dp_size)
+    mine = prompts[share]
+    forward = {k: v for k, v in models.items() if k != "value"}
+    result: Dict[str, float] = {}
+    for mode in ("sample", "greedy"):
+        greedy = mode == "greedy"
+        sampling = SamplingParams(p.max_new_tokens, p.temperature, greedy=greedy)
+        draws = None if greedy else uniforms(cfg.train.seed + EVAL_SEED_OFFSET, 0, share, n, p.max_new_tokens)
+        exp = score_and_recompute(generate(engine, mine, tokenizer, sampling, draws), forward, frozen,
+                                  cfg.train.micro_batch_size, with_values=False)
+        prefix = "eval/greedy_" if greedy else "eval/"
+        for k, v in sequence_means(exp, gold_scores(gold, tokenizer, exp), dp_group).items():
+            result[prefix + k] = v
+    return result
+
+
+def sequence_means(exp: Experience, gold: Optional[torch.Tensor], dp_group=None) -> Dict[str, float]:
+    """Per-sequence means over all DP ranks: rm_score, kl, response_length, truncation_rate, gold_score."""
+    ones = torch.ones(exp.size)
+    kl = ((exp.logprobs - exp.ref_logprobs) * exp.response_mask).sum(-1)
+    values = {"rm_score": exp.rm_scores, "kl": kl, "response_length": exp.response_mask.sum(-1),
+              "truncation_rate": (~exp.ended).float()}
+    if gold is not None:
+        values["gold_score"] = gold
+    return {k: float(masked.masked_mean(v.float(), ones, dp_group)) for k, v in values.items()}
+
+
+def sample_panel(exp: Experience, tokenizer, gold: Optional[GoldScorer], rows: int = 8) -> str:
+    """A text table of the first `rows` rollouts: prompt | response | RM score | gold score."""
+    part = exp.rows(range(min(rows, exp.size)))
+    prompts, responses = texts(tokenizer, part)
+    golds = gold(prompts, responses) if gold is not None else [float("nan")] * part.size
+    lines = ["prompt | response | rm_score | gold_score"]
+    for i in range(part.size):
+        lines.append(f"{prompts[i]} | {responses[i]} | {float(part.rm_scores[i]):.3f} | {float(golds[i]):.3f}")
+    return "\n".join(lines)
+
+
+def summary(baseline: Dict[str, float], final: Dict[str, float], extra: Dict[str, float]) -> Dict[str, float]:
+    """summary.json: the SFT policy (iteration-0 eval) against the final policy on the same prompts."""
+    out = {
+        "true_reward_sft": baseline.get("eval/gold_score"), "true_reward_ppo": final.get("eval/gold_score"),
+        "rm_reward_sft": baseline.get("eval/rm_score"), "rm_reward_ppo": final.get("eval/rm_score"),
+        "kl_ppo": final.get("eval/kl"),
+        "greedy_true_reward_sft": baseline.get("eval/greedy_gold_score"),
+        "greedy_true_reward_ppo": final.get("eval/greedy_gold_score"),
+        "response_length_sft": baseline.get("eval/response_length"),
+        "response_length_ppo": final.get("eval/response_length"),
+    }
+    out.update(extra)
+    return out

@@ -1,0 +1,142 @@
+"""Phase 5 of a PPO iteration: `ppo.epochs` passes over shuffled minibatches of the rollout batch.
+
+Each minibatch is one optimizer step of the policy (clipped surrogate, optional entropy bonus) and one
+of the value model (clipped value loss x vf_coef), each through Megatron's schedule with token-sum
+losses divided once by the global token count (trainer/optim.py). Minibatches are cut from the GLOBAL
+rollout batch (every rank holds it, `batch.all_gather_experience`) with a permutation seeded by
+(seed, iteration): the same rollouts meet in the same minibatch whatever the data-parallel size, and a
+resumed run repeats the same order. Each rank trains its contiguous share of every minibatch.
+"""
+
+from __future__ import annotations
+
+import os
+from collections import defaultdict
+from typing import Callable, Dict, List, Optional
+
+import torch
+
+from megatron_rlhf.algo.losses import entropy_bonus, policy_loss, value_loss
+from megatron_rlhf.batch import Experience
+from megatron_rlhf.trainer.experience import response_entropy, response_logprobs, response_values
+from megatron_rlhf.trainer.run import Trainable
+from megatron_rlhf.trainer.step import make_forward_step, train_step
+
+NAN_HOOK = "MEGATRON_RLHF_INJECT_NAN"  # test hook: "policy:3,4" poisons the policy loss at those optimizer steps
+
+
+class TrainingDiverged(RuntimeError):
+    """Too many optimizer steps in a row had NaN/Inf gradients."""
+
+
+def policy_loss_fn(vocab_size: int, temperature: float, clip_eps: float, entropy_coef: float, poison: dict):
+    """loss_fn(logits [b, S, V/tp], mb) -> (token-sum loss, tokens, stats) for `make_forward_step`."""
+
+    def loss_fn(logits, mb):
+        mask = mb["response_mask"]
+        logp = response_logprobs(logits, mb, vocab_size, temperature)
+        loss_sum, s = policy_loss(logp, mb["logprobs"], mb["advantages"], mask, clip_eps)
+        if entropy_coef > 0:
+            entropy = response_entropy(logits, mb, vocab_size, temperature)
+            bonus, _ = entropy_bonus(entropy, mask)
+            loss_sum = loss_sum + entropy_coef * bonus
+        else:
+            with torch.no_grad():  # a diagnostic only: no graph, no backward cost
+                entropy = response_entropy(logits, mb, vocab_size, temperature)
+        if poison.get("now"):
+            loss_sum = loss_sum * float("nan")
+        n = s["tokens"]
+        return loss_sum, n, {
+            "policy_loss": (loss_sum.detach(), n), "clip_fraction": (s["clipfrac"], n),
+            "approx_kl": (s["approx_kl"], n), "ratio": (s["ratio"], n),
+            "entropy": ((entropy.detach() * mask).sum(), n),
+        }
+
+    return loss_fn
+
+
+def value_loss_fn(clip_eps: float, vf_coef: float):
+    """loss_fn(values [b, S, 1], mb) -> (vf_coef x token-sum clipped value loss, tokens, stats)."""
+
+    def loss_fn(output, mb):
+        mask = mb["response_mask"]
+        loss_sum, s = value_loss(response_values(output, mb), mb["values"], mb["returns"], mask, clip_eps)
+        n = s["tokens"]
+        return vf_coef * loss_sum, n, {"value_loss": (loss_sum.detach(), n), "value_clip_fraction": (s["vf_clipfrac"], n)}
+
+    return loss_fn
+
+
+def _poisoned_steps() -> Dict[str, set]:
+    spec = os.environ.get(NAN_HOOK, "")
+    out: Dict[str, set] = defaultdict(set)
+    for part in filter(None, spec.split(";")):
+        name, _, steps = part.partition(":")
+        out[name] = {int(x) for x in steps.split(",") if x}
+    return out
+
+
+class SkipGuard:
+    """Counts optimizer steps skipped for NaN/Inf in a row; raises `TrainingDiverged` at the limit."""
+
+    def __init__(self, limit: int, log: Optional[Callable[[str], None]] = None):
+        self.limit, self.log, self.in_a_row, self.total = limit, log, 0, 0
+
+    def record(self, model: str, step: int, stats: Dict[str, float]) -> None:
+        if not stats.get("skipped"):
+            self.in_a_row = 0
+            return
+        self.in_a_row += 1
+        self.total += 1
+        if self.log:
+            self.log(f"warning: {model} step {step}: NaN/Inf in the loss or gradients; step skipped "
+                     f"({self.in_a_row} in a row, limit ppo.max_consecutive_skips={self.limit})")
+        if self.in_a_row >= self.limit:
+            raise TrainingDiverged(
+                f"{self.in_a_row} optimizer steps in a row had NaN/Inf gradients ({model} at step {step}): stopped; "
+                "the last good checkpoint is intact. Lower train.lr / ppo.value_lr, check the reward scale, then resume")
+
+
+def learn(policy: Trainable, value: Trainable, exp: Experience, cfg, *, iteration: int, dp_rank: int, dp_size: int,
+          vocab_size: int, train_policy: bool, guard: SkipGuard, steps_done: Dict[str, int]) -> Dict[str, float]:
+    """Run the PPO epochs on the global rollout batch `exp`; returns iteration means of the step stats.
+
+    `steps_done` ({"policy": n, "value": n}) counts optimizer steps so far (for the NaN test hook) and is
+    advanced here. Stats: policy_loss, clip_fraction, approx_kl, ratio, entropy, policy_grad_norm,
+    value_loss, value_clip_fraction, value_grad_norm, ratio_first_minibatch, skipped_steps.
+    """
+    p = cfg.ppo
+    poison, poisoned = {}, _poisoned_steps()
+    policy_step = make_forward_step(policy_loss_fn(vocab_size, p.temperature, p.clip_eps, p.entropy_coef, poison))
+    value_step = make_forward_step(value_loss_fn(p.value_clip_eps, p.vf_coef))
+    generator = torch.Generator().manual_seed(cfg.train.seed * 1_000_003 + iteration)
+    share = p.minibatch_size // dp_size
+    history: Dict[str, List[float]] = defaultdict(list)
+    first_ratio = None
+    for _epoch in range(p.epochs):
+        order = torch.randperm(exp.size, generator=generator)
+        for start in range(0, exp.size, p.minibatch_size):
+            mine = order[start + dp_rank * share: start + (dp_rank + 1) * share]
+            mbs = exp.rows(mine).microbatches(cfg.train.micro_batch_size)
+            if train_policy:
+                steps_done["policy"] += 1
+                poison["now"] = steps_done["policy"] in poisoned.get("policy", ())
+                s = train_step(policy.chunks, policy.optimizer, policy.scheduler, mbs, policy_step, skip_nonfinite=True)
+                guard.record("policy", steps_done["policy"], s)
+                first_ratio = s["ratio"] if first_ratio is None else first_ratio
+                for k in ("policy_loss", "clip_fraction", "approx_kl", "ratio", "entropy"):
+                    history[k].append(s[k])
+                history["policy_grad_norm"].append(s["grad_norm"])
+                history["skipped_steps"].append(s["skipped"])
+            steps_done["value"] += 1
+            s = train_step(value.chunks, value.optimizer, value.scheduler, mbs, value_step, skip_nonfinite=True)
+            guard.record("value", steps_done["value"], s)
+            history["value_loss"].append(s["value_loss"])
+            history["value_clip_fraction"].append(s["value_clip_fraction"])
+            history["value_grad_norm"].append(s["grad_norm"])
+            history["skipped_steps"].append(s["skipped"])
+    stats = {k: sum(v) / len(v) for k, v in history.items() if k != "skipped_steps"}
+    stats["skipped_steps"] = sum(history["skipped_steps"])
+    if first_ratio is not None:
+        stats["ratio_first_minibatch"] = first_ratio
+    return stats

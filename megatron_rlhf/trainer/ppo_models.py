@@ -1,0 +1,105 @@
+"""The four PPO models and the reward normalisation, built in the training layout.
+
+    policy     trained  (DDP + optimizer)  from model.load (the SFT checkpoint)
+    value      trained  (DDP + optimizer)  from ppo.value_load (default: the RM), RM head or a fresh one
+    reference  frozen   (no DDP, no grad)  from model.load
+    reward     frozen   (no DDP, no grad)  from ppo.reward_load; its checkpoint's reward_calibration
+
+Frozen models get `requires_grad=False` and, on GPU with `ppo.offload_frozen`, live in host memory
+between uses (`resident`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass
+from typing import Dict, Iterator, List
+
+import torch
+
+from megatron_rlhf.checkpoint import state as ckpt
+from megatron_rlhf.trainer.run import RunContext, Trainable, build_frozen, build_trainable, with_lr
+
+
+@dataclass
+class PPOModels:
+    policy: Trainable
+    value: Trainable
+    reference: List[torch.nn.Module]
+    reward: List[torch.nn.Module]
+    reward_mean: float
+    reward_std: float
+
+    def forward_models(self) -> Dict[str, list]:
+        """Name -> chunks, as `experience.score_and_recompute` takes them."""
+        return {"policy": self.policy.chunks, "value": self.value.chunks,
+                "reference": self.reference, "reward": self.reward}
+
+
+def reward_calibration(path: str) -> Dict[str, float]:
+    """`reward_calibration` ({mean, std, ...}) stored in an RM checkpoint by stage 2's calibration pass."""
+    from megatron.core import dist_checkpointing
+
+    step_dir = ckpt.resolve_checkpoint_dir(path)
+    try:
+        common = dist_checkpointing.load_common_state_dict(str(step_dir))
+    except Exception as e:  # noqa: BLE001 - re-raised with the path
+        raise ckpt.CheckpointError(f"cannot read the reward model checkpoint {step_dir}: {e}") from e
+    extra = common.get("extra", {}) if isinstance(common, dict) else {}
+    calibration = extra.get("reward_calibration")
+    if not calibration:
+        raise ckpt.CheckpointError(
+            f"reward model checkpoint {step_dir} has no reward_calibration: run stage 2 with calibration.enabled=true, "
+            "or set ppo.normalize_reward=false")
+    return calibration
+
+
+def build_ppo_models(cfg, ctx: RunContext, total_steps: int) -> PPOModels:
+    """Build and initialise the four models (collective)."""
+    p = cfg.ppo
+    torch.manual_seed(cfg.train.seed)
+    policy = build_trainable(cfg, ctx, "lm", cfg.model.load, "policy", total_steps, check_for_nan_in_grad=False)
+    value_from = p.value_load or p.reward_load
+    value = build_trainable(cfg, ctx, "scalar", value_from, "reward", total_steps, train_cfg=with_lr(cfg.train, p.value_lr),
+                            skip_head=p.value_head == "fresh", check_for_nan_in_grad=False)
+    reference = _freeze(build_frozen(cfg, ctx, "lm", cfg.model.load, "policy"))
+    reward = _freeze(build_frozen(cfg, ctx, "scalar", p.reward_load, "reward"))
+    mean, std = 0.0, 1.0
+    if p.normalize_reward:
+        cal = reward_calibration(p.reward_load)
+        mean, std = float(cal["mean"]), max(float(cal["std"]), 1e-6)
+        if ctx.log:
+            ctx.log(f"reward normalisation from {p.reward_load}: (score - {mean:.4f}) / {std:.4f}")
+    return PPOModels(policy, value, reference, reward, mean, std)
+
+
+def _freeze(chunks: List[torch.nn.Module]) -> List[torch.nn.Module]:
+    for c in chunks:
+        c.eval()
+        for param in c.parameters():
+            param.requires_grad_(False)
+    return chunks
+
+
+@contextlib.contextmanager
+def resident(chunks: List[torch.nn.Module], offload: bool) -> Iterator[None]:
+    """Keep a frozen model on the GPU only inside the block (`offload` and CUDA); otherwise a no-op."""
+    if not (offload and torch.cuda.is_available()):
+        yield
+        return
+    device = torch.device("cuda", torch.cuda.current_device())
+    for c in chunks:
+        c.to(device, non_blocking=True)
+    try:
+        yield
+    finally:
+        for c in chunks:
+            c.to("cpu")
+        torch.cuda.empty_cache()
+
+
+def offload_now(chunks: List[torch.nn.Module], offload: bool) -> None:
+    """Move a frozen model to host memory right after building it (`offload` and CUDA only)."""
+    if offload and torch.cuda.is_available():
+        for c in chunks:
+            c.to("cpu")

@@ -1,0 +1,159 @@
+"""Run infrastructure shared by the supervised loop (SFT, RM) and PPO: one copy of each set-up step.
+
+    ctx = start_run(cfg, check_batch)        # layout check, batch check, process groups, tokenizer
+    policy = build_trainable(ctx, ...)       # model -> initial weights -> DDP -> optimizer + scheduler
+    path = resume_point(cfg, ctx, log)       # the checkpoint to resume from (or None)
+    record_run(cfg, ctx)                     # resolved config.yaml, model_config.json next to checkpoints
+    stop = StopFlag()                        # SIGTERM / SIGUSR1 -> checkpoint and a clean exit
+    metrics = open_metrics(cfg, ctx, ...)    # TensorBoard + metrics.jsonl + progress bar on rank 0
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+from dataclasses import dataclass, replace
+from typing import Any, Callable, List, Optional, Sequence
+
+import torch
+
+from megatron_rlhf import config as C
+from megatron_rlhf import data as D
+from megatron_rlhf.checkpoint import state as ckpt
+from megatron_rlhf.models.build import build_model
+from megatron_rlhf.parallel import init
+from megatron_rlhf.parallel.layout import validate_layout
+from megatron_rlhf.trainer.optim import build_optimizer, wrap_ddp
+
+
+@dataclass
+class RunContext:
+    """What every stage knows after `start_run`: layout, ranks, tokenizer, where checkpoints go."""
+
+    model_cfg: Any  # models.spec.ModelConfig
+    world: int
+    dp_size: int
+    dp_rank: int
+    rank0: bool
+    log: Optional[Callable[[str], None]]  # print on rank 0, None elsewhere
+    tokenizer: Any
+    ckpt_root: str
+
+
+@dataclass
+class Trainable:
+    """A trained model: DDP-wrapped chunks, its optimizer and LR scheduler."""
+
+    chunks: List[torch.nn.Module]
+    optimizer: Any
+    scheduler: Any
+
+
+def start_run(cfg, check_batch: Callable[[int], Any]) -> RunContext:
+    """Validate the layout and the batch split (`check_batch(dp_size)`), then initialise
+    torch.distributed + Megatron's groups and load the tokenizer. Bad input fails before any work."""
+    model_cfg = cfg.model.to_model_config()
+    world = init.world_size_from_env()
+    validate_layout(
+        cfg.parallel, world, num_layers=model_cfg.num_layers,
+        num_attention_heads=model_cfg.num_attention_heads, num_query_groups=model_cfg.num_query_groups,
+        fp8=cfg.fp8,
+    )
+    dp_size = cfg.parallel.dp(world)
+    check_batch(dp_size)
+    init.initialize(cfg.parallel, seed=cfg.train.seed)
+    from megatron.core import parallel_state as ps
+
+    rank0 = torch.distributed.get_rank() == 0
+    tokenizer = D.load_tokenizer(cfg.tokenizer.path)
+    D.check_vocab(tokenizer, model_cfg.vocab_size)
+    return RunContext(
+        model_cfg=model_cfg, world=world, dp_size=dp_size, dp_rank=ps.get_data_parallel_rank(), rank0=rank0,
+        log=print if rank0 else None, tokenizer=tokenizer,
+        ckpt_root=cfg.checkpoint.dir or f"{cfg.logging.run_dir}/checkpoints",
+    )
+
+
+def build_frozen(cfg, ctx: RunContext, head: str, load: Optional[str], source_name: str, *,
+                 skip_head: bool = False) -> List[torch.nn.Module]:
+    """Model chunks in the training layout with weights from `load` (model `source_name` in it)."""
+    chunks = build_model(ctx.model_cfg, cfg.parallel, head=head, fp8=cfg.fp8)
+    if load:
+        ckpt.load_model_weights(load, chunks, source_name, head, skip_head=skip_head)
+    return chunks
+
+
+def build_trainable(cfg, ctx: RunContext, head: str, load: Optional[str], source_name: str, total_steps: int, *,
+                    train_cfg=None, skip_head: bool = False, check_for_nan_in_grad: bool = True) -> Trainable:
+    """Model -> initial weights (`load`, or fresh) -> Megatron DDP -> optimizer + scheduler.
+
+    `train_cfg` (default `cfg.train`) gives lr, schedule, Adam and clipping settings.
+    """
+    chunks = build_frozen(cfg, ctx, head, load, source_name, skip_head=skip_head)
+    chunks = wrap_ddp(chunks, cfg.parallel.use_distributed_optimizer, check_for_nan_in_grad=check_for_nan_in_grad)
+    optimizer, scheduler = build_optimizer(chunks, train_cfg or cfg.train, cfg.parallel.use_distributed_optimizer,
+                                           total_steps)
+    return Trainable(chunks, optimizer, scheduler)
+
+
+def resume_point(cfg, ctx: RunContext):
+    """The checkpoint directory to resume from, or None (fresh start); honours `checkpoint.resume`."""
+    if cfg.checkpoint.resume == "never":
+        return None
+    root = cfg.checkpoint.load or ctx.ckpt_root
+    found = ckpt.latest_checkpoint(root)
+    if cfg.checkpoint.resume == "required" and found is None:
+        raise ckpt.CheckpointError(f"checkpoint.resume=required but {root} has no checkpoint")
+    return found
+
+
+def record_run(cfg, ctx: RunContext) -> None:
+    """Rank 0: the resolved config in the run dir; model_config.json where later stages look for it."""
+    if ctx.rank0:
+        C.save_resolved(cfg, cfg.logging.run_dir)
+        C.write_model_config(ctx.model_cfg, ctx.ckpt_root)
+
+
+class StopFlag:
+    """SIGTERM / SIGUSR1 (Slurm preemption) ask for a checkpoint and a clean exit."""
+
+    def __init__(self):
+        self.requested = False
+        for sig in (signal.SIGTERM, signal.SIGUSR1):
+            signal.signal(sig, self._handle)
+
+    def _handle(self, signum, frame):
+        self.requested = True
+
+    def any_rank(self) -> bool:
+        flag = torch.tensor([1.0 if self.requested else 0.0])
+        torch.distributed.all_reduce(flag, op=torch.distributed.ReduceOp.MAX)
+        return bool(flag.item())
+
+
+def open_metrics(cfg, ctx: RunContext, total_steps: int, start_step: int,
+                 namespaces: Optional[Sequence[str]] = None, desc: str = "train"):
+    """The rank-0 MetricsLogger of this run (a no-op object on other ranks)."""
+    from megatron_rlhf.metrics import NAMESPACES, MetricsLogger
+
+    return MetricsLogger(
+        cfg.logging.run_dir, enabled=ctx.rank0, total_steps=total_steps, start_step=start_step,
+        tensorboard=cfg.logging.tensorboard, progress_bar=cfg.logging.progress_bar, config_text=C.to_yaml(cfg),
+        namespaces=tuple(namespaces or NAMESPACES), desc=desc,
+    )
+
+
+def write_json(path: str, value: dict) -> None:
+    """Atomic JSON write (rank 0 calls it)."""
+    tmp = path + ".tmp"
+    with open(tmp, "w") as f:
+        json.dump(value, f, indent=2)
+    os.replace(tmp, path)
+
+
+def with_lr(train_cfg, lr: Optional[float]):
+    """A copy of the `train` group with another peak lr (None: unchanged)."""
+    if lr is None:
+        return train_cfg
+    return replace(train_cfg, lr=lr, min_lr=min(train_cfg.min_lr, lr))
