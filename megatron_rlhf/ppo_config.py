@@ -7,6 +7,7 @@ from typing import Optional
 
 from megatron_rlhf.fields import help_field as _f
 from megatron_rlhf.fields import require
+from megatron_rlhf.trainer.doctor import DoctorConfig
 
 
 @dataclass
@@ -41,6 +42,8 @@ class PPOSection:
     eval_prompts: int = _f(256, "held-out prompts per evaluation (data.eval_path)")
     sample_interval: int = _f(10, "write a text panel of sample responses every N iterations; 0 = off")
     gold_scorer: Optional[str] = _f(None, "'module:function' (prompts, responses) -> gold scores, e.g. the tiny task's true score")
+    doctor: DoctorConfig = _f(help="thresholds of the live warnings (trainer/doctor.py), e.g. ppo.doctor.entropy_fraction=0.1",
+                              factory=DoctorConfig)
     max_consecutive_skips: int = _f(3, "stop after this many optimizer steps in a row skipped for NaN/Inf")
     offload_frozen: bool = _f(False, "GPU: keep reference and reward weights on the CPU between uses")
     export_hf: bool = _f(True, "export the final policy to <run_dir>/hf_policy (transformers format)")

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The tiny CPU pipeline on 2 gloo ranks: data -> SFT -> preference pairs sampled from the SFT
-# policy -> reward model (+ reward calibration).
+# policy -> reward model (+ reward calibration) -> PPO against it, KL-penalised to the SFT policy.
 # Extra arguments are config overrides applied to both stages, e.g. train.train_steps=50.
 # Runs resume where they stopped (checkpoints under runs/tiny/); delete runs/tiny to start over.
 set -euo pipefail
@@ -18,12 +18,17 @@ pairs() {  # OUT PROMPTS NUM
 pairs sft_pairs prompts 8000
 pairs sft_pairs_eval prompts_eval 1000   # 500 eval prompts: two pairs each, fresh samples
 torchrun --nproc_per_node "$NPROC" -m megatron_rlhf.cli rm examples/tiny/rm.yaml "$@"
+torchrun --nproc_per_node "$NPROC" -m megatron_rlhf.cli ppo examples/tiny/ppo.yaml "$@"
 python - <<'PY'
 import json
 from megatron_rlhf.metrics import read_jsonl
 sft = [r for r in read_jsonl("runs/tiny/sft/metrics.jsonl") if "eval/loss" in r][-1]
 rm = [r for r in read_jsonl("runs/tiny/rm/metrics.jsonl") if "eval/accuracy" in r][-1]
-cal = json.load(open("runs/tiny/rm/reward_calibration.json"))
-print(f"SFT held-out loss {sft['eval/loss']:.3f} | RM held-out accuracy {rm['eval/accuracy']:.3f} | "
-      f"RM score on SFT samples: mean {cal['mean']:.3f} std {cal['std']:.3f}")
+s = json.load(open("runs/tiny/ppo/summary.json"))
+print(f"SFT held-out loss {sft['eval/loss']:.3f} | RM held-out accuracy {rm['eval/accuracy']:.3f}")
+print("held-out prompts, sampled at T=1 | SFT policy | PPO policy")
+print(f"true reward (hidden gold score)   | {s['true_reward_sft']:10.3f} | {s['true_reward_ppo']:10.3f}")
+print(f"RM reward (normalised)            | {s['rm_reward_sft']:10.3f} | {s['rm_reward_ppo']:10.3f}")
+print(f"KL to the SFT policy per sequence | {0.0:10.3f} | {s['kl_ppo']:10.3f}")
+print("run directory: runs/tiny (summary: runs/tiny/ppo/summary.json, TensorBoard: runs/tiny/*/tensorboard)")
 PY

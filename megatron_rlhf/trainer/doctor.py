@@ -82,9 +82,9 @@ class DoctorConfig:
         for f in fields(self):
             v = getattr(self, f.name)
             if isinstance(f.default, int) and (not isinstance(v, int) or v < 1):
-                raise ValueError(f"DoctorConfig.{f.name}={v!r} must be an integer >= 1")
+                raise ValueError(f"ppo.doctor.{f.name}={v!r} must be an integer >= 1")
             if not isinstance(v, (int, float)) or not math.isfinite(v) or (v < 0 and f.name != "ev_min"):
-                raise ValueError(f"DoctorConfig.{f.name}={v!r} must be a finite number >= 0")
+                raise ValueError(f"ppo.doctor.{f.name}={v!r} must be a finite number >= 0")
 
 
 class DoctorWarning(NamedTuple):

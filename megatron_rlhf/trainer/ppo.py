@@ -28,7 +28,7 @@ from megatron_rlhf.parallel import init
 from megatron_rlhf.ppo_config import check_ppo_layout
 from megatron_rlhf.rollout.base import SamplingParams
 from megatron_rlhf.rollout.megatron_engine import MegatronRolloutEngine
-from megatron_rlhf.trainer.doctor import Doctor, DoctorConfig
+from megatron_rlhf.trainer.doctor import Doctor
 from megatron_rlhf.trainer.experience import Frozen, estimate_advantages, rollout_stats, score_and_recompute
 from megatron_rlhf.trainer.ppo_eval import evaluate, generate, load_gold_scorer, sample_panel, summary, uniforms
 from megatron_rlhf.trainer.ppo_learn import SkipGuard, TrainingDiverged, learn
@@ -67,7 +67,7 @@ def fit(cfg) -> Dict[str, float]:
     frozen = Frozen(vocab, p.temperature, m.reward_mean, m.reward_std, p.missing_eos_penalty)
     kl_ctl = (AdaptiveKLController(p.beta, p.adaptive_kl_target, p.adaptive_kl_gain) if p.adaptive_kl_target
               else FixedKLController(p.beta))
-    doctor, gold = Doctor(DoctorConfig()), load_gold_scorer(p.gold_scorer)
+    doctor, gold = Doctor(p.doctor), load_gold_scorer(p.gold_scorer)
     trained = {"policy": m.policy.chunks, "value": m.value.chunks}
     optimizers = {"policy": m.policy.optimizer, "value": m.value.optimizer}
     schedulers = {"policy": m.policy.scheduler, "value": m.value.scheduler}
@@ -94,8 +94,13 @@ def fit(cfg) -> Dict[str, float]:
             "steps_done": steps_done, "baseline": baseline, "last_eval": last_eval}, keep_last=cfg.checkpoint.keep_last)
 
     engine = MegatronRolloutEngine(m.policy.chunks, eos_id=tok.eos_token_id, pad_id=tok.pad_token_id, vocab_size=vocab)
-    evaluate_policy = lambda: evaluate(engine, m.forward_models(), frozen, eval_prompts, cfg,  # noqa: E731
-                                       ctx.dp_rank, ctx.dp_size, tok, gold, dp_group) if eval_prompts else {}
+    def evaluate_policy() -> Dict[str, float]:
+        if not eval_prompts:
+            return {}
+        with m.frozen_on_device():
+            return evaluate(engine, m.forward_models(), frozen, eval_prompts, cfg, ctx.dp_rank, ctx.dp_size, tok,
+                            gold, dp_group)
+
     metrics = open_metrics(cfg, ctx, p.iterations, iteration, namespaces=NAMESPACES, desc="ppo")
     guard, stop = SkipGuard(p.max_consecutive_skips, log), StopFlag()
     if baseline is None:  # iteration 0: the SFT policy, the reference point of summary.json
@@ -106,7 +111,7 @@ def fit(cfg) -> Dict[str, float]:
         with metrics.timer("time/iteration") as timing:
             with metrics.timer("time/rollout"):
                 exp = rollout(engine, train_prompts, next(sampler), cfg, iteration, ctx.dp_rank, tok)
-            with metrics.timer("time/score"):
+            with metrics.timer("time/score"), m.frozen_on_device():
                 score_and_recompute(exp, m.forward_models(), frozen, cfg.train.micro_batch_size)
             with metrics.timer("time/advantages"):
                 estimate_advantages(exp, kl_ctl.beta, p.kl_estimator, p.gamma, p.lam, p.whiten_advantages, dp_group)

@@ -77,23 +77,24 @@ def _poisoned_steps() -> Dict[str, set]:
 
 
 class SkipGuard:
-    """Counts optimizer steps skipped for NaN/Inf in a row; raises `TrainingDiverged` at the limit."""
+    """Counts each model's optimizer steps skipped for NaN/Inf in a row; raises `TrainingDiverged` at the limit."""
 
     def __init__(self, limit: int, log: Optional[Callable[[str], None]] = None):
-        self.limit, self.log, self.in_a_row, self.total = limit, log, 0, 0
+        self.limit, self.log = limit, log
+        self.in_a_row: Dict[str, int] = defaultdict(int)
 
     def record(self, model: str, step: int, stats: Dict[str, float]) -> None:
         if not stats.get("skipped"):
-            self.in_a_row = 0
+            self.in_a_row[model] = 0
             return
-        self.in_a_row += 1
-        self.total += 1
+        self.in_a_row[model] += 1
+        n = self.in_a_row[model]
         if self.log:
             self.log(f"warning: {model} step {step}: NaN/Inf in the loss or gradients; step skipped "
-                     f"({self.in_a_row} in a row, limit ppo.max_consecutive_skips={self.limit})")
-        if self.in_a_row >= self.limit:
+                     f"({n} in a row, limit ppo.max_consecutive_skips={self.limit})")
+        if n >= self.limit:
             raise TrainingDiverged(
-                f"{self.in_a_row} optimizer steps in a row had NaN/Inf gradients ({model} at step {step}): stopped; "
+                f"{n} {model} optimizer steps in a row had NaN/Inf gradients (the last at step {step}): stopped; "
                 "the last good checkpoint is intact. Lower train.lr / ppo.value_lr, check the reward scale, then resume")
 
 

@@ -29,6 +29,14 @@ class PPOModels:
     reward: List[torch.nn.Module]
     reward_mean: float
     reward_std: float
+    offload_frozen: bool = False
+
+    @contextlib.contextmanager
+    def frozen_on_device(self) -> Iterator[None]:
+        """Reference and reward model on the GPU for the block (they stay in host memory otherwise
+        with `ppo.offload_frozen`; a no-op on CPU or without it)."""
+        with resident(self.reference, self.offload_frozen), resident(self.reward, self.offload_frozen):
+            yield
 
     def forward_models(self) -> Dict[str, list]:
         """Name -> chunks, as `experience.score_and_recompute` takes them."""
@@ -70,7 +78,9 @@ def build_ppo_models(cfg, ctx: RunContext, total_steps: int) -> PPOModels:
         mean, std = float(cal["mean"]), max(float(cal["std"]), 1e-6)
         if ctx.log:
             ctx.log(f"reward normalisation from {p.reward_load}: (score - {mean:.4f}) / {std:.4f}")
-    return PPOModels(policy, value, reference, reward, mean, std)
+    offload_now(reference, p.offload_frozen)
+    offload_now(reward, p.offload_frozen)
+    return PPOModels(policy, value, reference, reward, mean, std, p.offload_frozen)
 
 
 def _freeze(chunks: List[torch.nn.Module]) -> List[torch.nn.Module]:

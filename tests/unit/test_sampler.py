@@ -268,3 +268,26 @@ def test_bad_input_is_one_clear_error(world, model):
     (scalar,) = build_model(ModelConfig(**CFG), ParallelConfig(), head="scalar")
     with pytest.raises(ValueError, match="scalar"):
         _gen(scalar, ids, mask)
+
+
+def test_uniform_draws_make_each_row_independent_of_its_batch(model):
+    """With `uniforms`, a row samples the same tokens alone or inside any batch (layout independence)."""
+    g = torch.Generator().manual_seed(3)
+    lengths = [4, 1, 6, 3]
+    width = max(lengths)
+    ids = torch.full((4, width), PAD, dtype=torch.long)
+    for i, n in enumerate(lengths):
+        ids[i, width - n:] = torch.randint(3, VOCAB, (n,), generator=g)
+    draws = torch.rand(4, 8, generator=g)
+    kw = dict(max_new_tokens=8, eos_id=2, pad_id=PAD, vocab_size=VOCAB, temperature=1.5)
+    whole = generate(model, ids, prompt_lengths=torch.tensor(lengths), uniforms=draws, **kw)
+    for i in range(4):
+        alone = generate(model, ids[i:i + 1, width - lengths[i]:], prompt_lengths=torch.tensor([lengths[i]]),
+                         uniforms=draws[i:i + 1], **kw)
+        assert alone["response_ids"][0].tolist() == whole["response_ids"][i].tolist(), i
+        assert torch.allclose(alone["logprobs"][0], whole["logprobs"][i], atol=1e-5)
+    # Other draws give other samples (the draws are really used), and a draw near 0 picks a likely token.
+    other = generate(model, ids, prompt_lengths=torch.tensor(lengths), uniforms=torch.rand(4, 8, generator=g), **kw)
+    assert other["response_ids"].tolist() != whole["response_ids"].tolist()
+    with pytest.raises(ValueError, match="uniforms"):
+        generate(model, ids, prompt_lengths=torch.tensor(lengths), uniforms=torch.rand(4, 7), **kw)

@@ -1,0 +1,186 @@
+"""Seconds per PPO iteration on the reference shape, the phase split, overhead and length scaling.
+
+    python benchmarks/ppo_iteration.py            # one process, 2 threads, < 5 minutes; ends with one JSON line
+
+Reference shape (issue "Stage 3, PPO end to end"): Llama hidden 128, 4 layers, 4 heads, 2 query groups,
+FFN 352, vocab 512, fp32; 16 prompts of 8-16 random tokens; 64 new tokens (EOS never ends a response);
+2 minibatches x 4 epochs; one rank. An iteration is exactly the phases `trainer/ppo.py:fit` runs:
+rollout (Megatron KV-cache sampler) -> score_and_recompute (RM, policy, reference, value forwards) ->
+estimate_advantages -> learn (policy and value optimizer steps through Megatron's schedule).
+
+overhead_fraction: the share of an iteration spent outside model forward passes (GPTModel.forward),
+backward passes (torch.autograd.backward) and optimizer steps: sampling, data movement, the schedule,
+loss math and everything else of ours. length_scaling_exponent: the log-log slope of iteration time
+for 64 -> 128 -> 256 new tokens (1.0 = linear in the response length).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import statistics
+import sys
+import time
+from dataclasses import dataclass, field
+from types import SimpleNamespace
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import torch  # noqa: E402
+
+SHAPE = dict(num_layers=4, hidden_size=128, ffn_hidden_size=352, num_attention_heads=4, num_query_groups=2,
+             vocab_size=512, max_position_embeddings=512)
+PROMPTS, EPOCHS, MINIBATCHES = 16, 4, 2
+
+
+@dataclass
+class Clock:
+    """Accumulates seconds spent in model forward, backward and optimizer steps (outermost calls only)."""
+
+    seconds: dict = field(default_factory=lambda: {"forward": 0.0, "backward": 0.0, "optimizer": 0.0})
+    depth: int = 0
+
+    def wrap(self, owner, name: str, bucket: str):
+        inner = getattr(owner, name)
+        clock = self
+
+        def timed(*args, **kwargs):
+            if clock.depth:
+                return inner(*args, **kwargs)
+            clock.depth += 1
+            start = time.perf_counter()
+            try:
+                return inner(*args, **kwargs)
+            finally:
+                clock.seconds[bucket] += time.perf_counter() - start
+                clock.depth -= 1
+
+        setattr(owner, name, timed)
+
+
+def setup():
+    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+    os.environ.setdefault("MASTER_PORT", "29531")
+    os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0")
+    torch.set_num_threads(2)
+    from megatron_rlhf.models.spec import ModelConfig
+    from megatron_rlhf.parallel import init
+    from megatron_rlhf.parallel.layout import ParallelConfig
+
+    parallel = ParallelConfig()
+    init.initialize(parallel, seed=0)
+    return ModelConfig(**SHAPE), parallel
+
+
+def build(model_cfg, parallel, max_new_tokens: int):
+    from megatron_rlhf.config import TrainConfig
+    from megatron_rlhf.models.build import build_model
+    from megatron_rlhf.ppo_config import PPOSection
+    from megatron_rlhf.trainer.optim import build_optimizer, wrap_ddp
+    from megatron_rlhf.trainer.run import Trainable
+
+    def trainable(head):
+        chunks = wrap_ddp(build_model(model_cfg, parallel, head=head), False, check_for_nan_in_grad=False)
+        opt, sched = build_optimizer(chunks, TrainConfig(lr=1e-5, lr_schedule="constant"), False, 10_000)
+        return Trainable(chunks, opt, sched)
+
+    policy, value = trainable("lm"), trainable("scalar")
+    reference, reward = build_model(model_cfg, parallel, head="lm"), build_model(model_cfg, parallel, head="scalar")
+    ppo = PPOSection(rollout_batch_size=PROMPTS, minibatch_size=PROMPTS // MINIBATCHES, epochs=EPOCHS,
+                     max_new_tokens=max_new_tokens)
+    cfg = SimpleNamespace(ppo=ppo, train=SimpleNamespace(seed=0, micro_batch_size=PROMPTS // MINIBATCHES))
+    return cfg, policy, value, {"policy": policy.chunks, "value": value.chunks, "reference": reference, "reward": reward}
+
+
+def iteration(cfg, engine, policy, value, models, prompts, it: int, timer: dict):
+    from megatron_rlhf.batch import build_experience
+    from megatron_rlhf.rollout.base import SamplingParams
+    from megatron_rlhf.trainer.experience import Frozen, estimate_advantages, score_and_recompute
+    from megatron_rlhf.trainer.ppo_eval import uniforms
+    from megatron_rlhf.trainer.ppo_learn import SkipGuard, learn
+
+    p = cfg.ppo
+    marks = [time.perf_counter()]
+    draws = uniforms(0, it, slice(0, PROMPTS), PROMPTS, p.max_new_tokens)
+    ids, mask = prompts
+    out = engine.generate(ids, mask, SamplingParams(p.max_new_tokens, 1.0), uniforms=draws)
+    rows = [ids[i][mask[i]].tolist() for i in range(PROMPTS)]
+    exp = build_experience(rows, out, 0)
+    marks.append(time.perf_counter())
+    score_and_recompute(exp, models, Frozen(SHAPE["vocab_size"], 1.0), cfg.train.micro_batch_size)
+    marks.append(time.perf_counter())
+    estimate_advantages(exp, 0.05, "k1", 1.0, 0.95, True)
+    marks.append(time.perf_counter())
+    learn(policy, value, exp, cfg, iteration=it, dp_rank=0, dp_size=1, vocab_size=SHAPE["vocab_size"],
+          train_policy=True, guard=SkipGuard(3), steps_done={"policy": 0, "value": 0})
+    marks.append(time.perf_counter())
+    for name, a, b in zip(("rollout", "score", "advantages", "train"), marks, marks[1:]):
+        timer[name] = timer.get(name, 0.0) + b - a
+    return marks[-1] - marks[0]
+
+
+def random_prompts(seed: int = 0):
+    g = torch.Generator().manual_seed(seed)
+    lengths = torch.randint(8, 17, (PROMPTS,), generator=g)
+    width = int(lengths.max())
+    ids = torch.zeros(PROMPTS, width, dtype=torch.long)
+    mask = torch.zeros(PROMPTS, width, dtype=torch.bool)
+    for i, n in enumerate(lengths.tolist()):
+        ids[i, width - n:] = torch.randint(1, SHAPE["vocab_size"], (n,), generator=g)
+        mask[i, width - n:] = True
+    return ids, mask
+
+
+def measure(model_cfg, parallel, max_new_tokens: int, repeats: int, clock: Clock = None):
+    from megatron_rlhf.rollout.megatron_engine import MegatronRolloutEngine
+
+    cfg, policy, value, models = build(model_cfg, parallel, max_new_tokens)
+    engine = MegatronRolloutEngine(policy.chunks, eos_id=None, pad_id=0, vocab_size=SHAPE["vocab_size"])
+    prompts = random_prompts()
+    iteration(cfg, engine, policy, value, models, prompts, 0, {})  # warm-up
+    if clock is not None:
+        for bucket in clock.seconds:
+            clock.seconds[bucket] = 0.0
+    timer, times = {}, []
+    for it in range(1, repeats + 1):
+        times.append(iteration(cfg, engine, policy, value, models, prompts, it, timer))
+    return statistics.median(times), {k: v / repeats for k, v in timer.items()}, sum(times)
+
+
+def main():
+    from megatron.core.models.gpt import GPTModel
+    from megatron.core.optimizer import optimizer as mopt
+
+    model_cfg, parallel = setup()
+    clock = Clock()
+    clock.wrap(GPTModel, "forward", "forward")
+    clock.wrap(torch.autograd, "backward", "backward")
+    for cls in (mopt.FP32Optimizer, mopt.MixedPrecisionOptimizer):
+        clock.wrap(cls, "step", "optimizer")
+    s_per_iter, phases, total = measure(model_cfg, parallel, 64, repeats=5, clock=clock)
+    inside = sum(clock.seconds.values())
+    overhead = 1.0 - inside / total
+    scaling = {64: s_per_iter}
+    for n in (128, 256):
+        scaling[n] = measure(model_cfg, parallel, n, repeats=2)[0]
+    xs, ys = [math.log(n) for n in scaling], [math.log(t) for t in scaling.values()]
+    mx, my = sum(xs) / len(xs), sum(ys) / len(ys)
+    slope = sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / sum((x - mx) ** 2 for x in xs)
+    print(f"reference shape: {s_per_iter:.3f} s/iteration; phases {', '.join(f'{k} {v:.3f}s' for k, v in phases.items())}")
+    print(f"inside model forward/backward/optimizer: {', '.join(f'{k} {v / 5:.3f}s' for k, v in clock.seconds.items())} "
+          f"per iteration; overhead fraction {overhead:.3f}")
+    print(f"new tokens -> s/iteration: {', '.join(f'{n}: {t:.3f}' for n, t in scaling.items())}; exponent {slope:.3f}")
+    print(json.dumps({
+        "s_per_iter_reference_shape": round(s_per_iter, 4),
+        "phase_seconds": {k: round(v, 4) for k, v in phases.items()},
+        "model_seconds_per_iter": {k: round(v / 5, 4) for k, v in clock.seconds.items()},
+        "overhead_fraction": round(overhead, 4),
+        "s_per_iter_by_new_tokens": {str(n): round(t, 4) for n, t in scaling.items()},
+        "length_scaling_exponent": round(slope, 4),
+        "torch_threads": torch.get_num_threads(),
+    }))
+
+
+if __name__ == "__main__":
+    main()

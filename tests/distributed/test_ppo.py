@@ -1,0 +1,140 @@
+"""Stage 3 end to end on CPU (torchrun, gloo): PPO from a real SFT and RM of the tiny task.
+
+The module fixture trains a small SFT policy and a reward model through the CLI (as a user would);
+the tests then run `megatron-rlhf ppo` on them: the true (gold) reward rises, iteration 1 is exact
+(KL 0, ratio 1), exact resume, TP=2 against TP=1 x DP=2, and NaN steps skipped / K in a row stop.
+"""
+
+import json
+import os
+import random
+
+import pytest
+
+from megatron_rlhf.metrics import read_jsonl
+from megatron_rlhf.tasks import sort_digits
+from tests.distributed.launch import ROOT, torchrun
+
+CLI = ROOT / "megatron_rlhf" / "cli.py"
+MODEL = {"model.num_layers": 2, "model.hidden_size": 64, "model.ffn_hidden_size": 128, "model.num_attention_heads": 4,
+         "model.num_query_groups": 2, "model.vocab_size": 17, "model.max_position_embeddings": 32}
+
+
+def _args(d: dict):
+    return [f"{k}={v}" for k, v in d.items()]
+
+
+@pytest.fixture(scope="module")
+def base(tmp_path_factory):
+    """The tiny pipeline at reduced size: data, an SFT policy (250 steps), pairs of its own samples labelled by
+    the true score, and a calibrated RM (96 steps) trained on them."""
+    d = tmp_path_factory.mktemp("ppo_base")
+    sort_digits.save_tokenizer(str(d / "tokenizer"))
+    rng = random.Random(0)
+    write = lambda name, rows: (d / name).write_text("".join(json.dumps(r) + "\n" for r in rows))  # noqa: E731
+    write("sft.jsonl", sort_digits.demonstrations(2048, rng))
+    write("prompts.jsonl", sort_digits.prompts(1024, rng))
+    write("prompts_eval.jsonl", sort_digits.prompts(128, rng))
+    common = {**MODEL, "tokenizer.path": d / "tokenizer", "data.max_seq_len": 24, "data.overlong": "drop",
+              "logging.progress_bar": "false", "train.seed": 0}
+    torchrun(CLI, "sft", *_args({**common, "data.train_path": d / "sft.jsonl", "train.lr": 3e-3,
+                                 "train.min_lr": 3e-4, "train.warmup_steps": 20, "train.global_batch_size": 64,
+                                 "train.micro_batch_size": 32, "train.train_steps": 250,
+                                 "logging.run_dir": d / "sft"}), nproc=2, timeout=600)
+    # The RM learns from pairs of the SFT policy's own samples (labelled by the true score), as in run.sh.
+    torchrun(CLI, "tiny-pairs", "--policy", d / "sft" / "checkpoints", "--prompts", d / "prompts.jsonl",
+             "--tokenizer", d / "tokenizer", "--num-pairs", 3072, "--out", d / "pairs.jsonl", "--sharpness", 1e9,
+             nproc=2, timeout=600)
+    torchrun(CLI, "rm", *_args({**common, "model.load": d / "sft" / "checkpoints", "data.train_path": d / "pairs.jsonl",
+                                "train.lr": 1e-3, "train.min_lr": 1e-4, "train.global_batch_size": 64,
+                                "train.micro_batch_size": 32, "train.epochs": 2, "logging.run_dir": d / "rm",
+                                "calibration.prompts_path": d / "prompts.jsonl", "calibration.num_prompts": 128,
+                                "calibration.max_new_tokens": 11}), nproc=2, timeout=600)
+    return d
+
+
+def ppo_args(base, run_dir, **extra):
+    settings = {
+        "model.load": base / "sft" / "checkpoints", "tokenizer.path": base / "tokenizer",
+        "data.train_path": base / "prompts.jsonl", "data.eval_path": base / "prompts_eval.jsonl",
+        "data.max_seq_len": 24, "data.max_prompt_len": 12,
+        "train.lr": 1e-4, "train.lr_schedule": "constant", "train.micro_batch_size": 16, "train.seed": 1,
+        "ppo.reward_load": base / "rm" / "checkpoints", "ppo.iterations": 4, "ppo.rollout_batch_size": 64,
+        "ppo.minibatch_size": 32, "ppo.epochs": 2, "ppo.max_new_tokens": 11, "ppo.eval_interval": 2,
+        "ppo.eval_prompts": 64, "ppo.gold_scorer": "megatron_rlhf.tasks.sort_digits:gold_scores",
+        "ppo.sample_interval": 2, "checkpoint.save_interval": 2, "logging.run_dir": run_dir,
+        "logging.progress_bar": "false",
+    }
+    settings.update(extra)
+    return ["ppo", *_args(settings)]
+
+
+def rows(run_dir):
+    """{iteration: metrics row}; a resumed run appends to the same file, the last row per step wins."""
+    return {r["step"]: r for r in read_jsonl(os.path.join(run_dir, "metrics.jsonl"))}
+
+
+def learning_metrics(row):
+    return {k: v for k, v in row.items() if k.split("/")[0] in ("ppo", "eval", "warn")}
+
+
+def test_ppo_raises_the_true_reward_and_iteration_one_is_exact(base, tmp_path):
+    run = tmp_path / "ppo"
+    torchrun(CLI, *ppo_args(base, run, **{"ppo.iterations": 14, "ppo.eval_interval": 7, "checkpoint.save_interval": 0}),
+             nproc=2, timeout=900)
+    summary = json.loads((run / "summary.json").read_text())
+    for key in ("true_reward_sft", "true_reward_ppo", "rm_reward_sft", "rm_reward_ppo", "kl_ppo"):
+        assert summary[key] is not None, key
+    assert summary["rm_reward_ppo"] > summary["rm_reward_sft"] + 0.2, summary
+    assert summary["true_reward_ppo"] > summary["true_reward_sft"] + 0.03, summary
+    assert 0 < summary["kl_ppo"] < 10, summary
+    first = rows(run)[1]
+    # Before any update the policy IS the reference: KL exactly 0, PPO ratio exactly 1. The sampler's
+    # logprobs come from KV-cache decoding (other kernels): equal to ~1e-7, not to the bit.
+    assert first["ppo/kl_per_seq"] == 0.0 and first["ppo/ratio_first_minibatch"] == 1.0
+    assert abs(first["ppo/rho_mean"] - 1.0) < 1e-5 and first["ppo/rho_abs_dev"] < 1e-5
+    for key in ("ppo/rm_score", "ppo/clip_fraction", "ppo/approx_kl", "ppo/value_explained_variance", "ppo/entropy",
+                "ppo/response_length", "ppo/truncation_rate", "ppo/beta", "ppo/policy_loss", "ppo/value_loss",
+                "ppo/policy_grad_norm", "ppo/value_grad_norm", "ppo/rho_max", "time/rollout", "time/train",
+                "perf/tokens_per_s", "perf/peak_memory_gib", "warn/kl_blowup"):
+        assert key in first, key
+    # The exported policy loads in transformers and gives finite logits.
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    hf = AutoModelForCausalLM.from_pretrained(run / "hf_policy")
+    assert torch.isfinite(hf(torch.tensor([[1, 3, 10, 8, 6]])).logits).all()
+
+
+def test_exact_resume_and_tp2_match_dp2(base, tmp_path):
+    straight, resumed, tp2 = tmp_path / "straight", tmp_path / "resumed", tmp_path / "tp2"
+    torchrun(CLI, *ppo_args(base, straight), nproc=2, timeout=600)
+    torchrun(CLI, *ppo_args(base, resumed, **{"train.exit_at_step": 2}), nproc=2, timeout=600)
+    assert max(rows(resumed)) == 2
+    torchrun(CLI, *ppo_args(base, resumed), nproc=2, timeout=600)
+    a, b = rows(straight), rows(resumed)
+    assert sorted(a) == sorted(b) == [0, 1, 2, 3, 4]
+    for step in a:  # bit-identical: a fresh optimizer, scheduler, cursor or KL state would show here
+        assert learning_metrics(a[step]) == learning_metrics(b[step]), step
+    assert a[4]["ppo/kl_per_seq"] > 0  # the policy moved
+
+    torchrun(CLI, *ppo_args(base, tp2, **{"parallel.tp": 2}), nproc=2, timeout=600)
+    c = rows(tp2)
+    for step in a:
+        for key, value in learning_metrics(a[step]).items():
+            # Same draws, same minibatches; only fp32 summation order differs (TP splits the matmuls).
+            assert c[step][key] == pytest.approx(value, rel=1e-3, abs=1e-4), (step, key)
+
+
+def test_nan_steps_are_skipped_and_k_in_a_row_stop(base, tmp_path):
+    run = tmp_path / "nan"
+    # 4 policy steps per iteration: step 2 (iteration 1) is skipped alone; 6 and 7 (iteration 2) in a row stop.
+    proc = torchrun(CLI, *ppo_args(base, run, **{"ppo.max_consecutive_skips": 2, "checkpoint.save_interval": 1}),
+                    nproc=2, timeout=600, check=False, env={"MEGATRON_RLHF_INJECT_NAN": "policy:2,6,7"})
+    assert proc.returncode == 3, proc.stderr[-3000:]
+    assert "2 policy optimizer steps in a row had NaN/Inf" in proc.stderr
+    assert "policy step 2: NaN/Inf in the loss or gradients; step skipped" in proc.stdout
+    r = rows(run)
+    assert r[1]["ppo/skipped_steps"] == 1.0 and max(r) == 1
+    # The last good checkpoint is intact and is what a rerun resumes from.
+    assert (run / "checkpoints" / "latest").read_text().strip() == "step_00000001"
