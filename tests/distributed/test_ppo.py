@@ -108,22 +108,27 @@ def test_ppo_raises_the_true_reward_and_iteration_one_is_exact(base, tmp_path):
 
 def test_exact_resume_and_tp2_match_dp2(base, tmp_path):
     straight, resumed, tp2 = tmp_path / "straight", tmp_path / "resumed", tmp_path / "tp2"
-    torchrun(CLI, *ppo_args(base, straight), nproc=2, timeout=600)
-    torchrun(CLI, *ppo_args(base, resumed, **{"train.exit_at_step": 2}), nproc=2, timeout=600)
+    warm = {"ppo.value_warmup_iterations": 1}  # iteration 1 trains the value model only
+    torchrun(CLI, *ppo_args(base, straight, **warm), nproc=2, timeout=600)
+    torchrun(CLI, *ppo_args(base, resumed, **warm, **{"train.exit_at_step": 2}), nproc=2, timeout=600)
     assert max(rows(resumed)) == 2
-    torchrun(CLI, *ppo_args(base, resumed), nproc=2, timeout=600)
+    torchrun(CLI, *ppo_args(base, resumed, **warm), nproc=2, timeout=600)
     a, b = rows(straight), rows(resumed)
     assert sorted(a) == sorted(b) == [0, 1, 2, 3, 4]
     for step in a:  # bit-identical: a fresh optimizer, scheduler, cursor or KL state would show here
         assert learning_metrics(a[step]) == learning_metrics(b[step]), step
-    assert a[4]["ppo/kl_per_seq"] > 0  # the policy moved
+    assert "ppo/policy_loss" not in a[1] and "ppo/value_loss" in a[1]  # value warm-up: no policy step...
+    assert a[2]["ppo/kl_per_seq"] == 0.0  # ...so iteration 2 still samples from the SFT policy
+    assert a[4]["ppo/kl_per_seq"] > 0  # then the policy moved
 
-    torchrun(CLI, *ppo_args(base, tp2, **{"parallel.tp": 2}), nproc=2, timeout=600)
+    torchrun(CLI, *ppo_args(base, tp2, **warm, **{"parallel.tp": 2}), nproc=2, timeout=600)
     c = rows(tp2)
     for step in a:
         for key, value in learning_metrics(a[step]).items():
             # Same draws, same minibatches; only fp32 summation order differs (TP splits the matmuls).
-            assert c[step][key] == pytest.approx(value, rel=1e-3, abs=1e-4), (step, key)
+            # Clip fractions count tokens on either side of a threshold: one token may flip (1/700).
+            tol = dict(abs=0.005) if "clip_fraction" in key else dict(rel=1e-3, abs=1e-4)
+            assert c[step][key] == pytest.approx(value, **tol), (step, key)
 
 
 def test_nan_steps_are_skipped_and_k_in_a_row_stop(base, tmp_path):
@@ -131,10 +136,44 @@ def test_nan_steps_are_skipped_and_k_in_a_row_stop(base, tmp_path):
     # 4 policy steps per iteration: step 2 (iteration 1) is skipped alone; 6 and 7 (iteration 2) in a row stop.
     proc = torchrun(CLI, *ppo_args(base, run, **{"ppo.max_consecutive_skips": 2, "checkpoint.save_interval": 1}),
                     nproc=2, timeout=600, check=False, env={"MEGATRON_RLHF_INJECT_NAN": "policy:2,6,7"})
-    assert proc.returncode == 3, proc.stderr[-3000:]
+    assert proc.returncode != 0 and "(exitcode: 3)" in proc.stderr, proc.stderr[-3000:]  # torchrun reports rank exit 3
     assert "2 policy optimizer steps in a row had NaN/Inf" in proc.stderr
     assert "policy step 2: NaN/Inf in the loss or gradients; step skipped" in proc.stdout
     r = rows(run)
     assert r[1]["ppo/skipped_steps"] == 1.0 and max(r) == 1
     # The last good checkpoint is intact and is what a rerun resumes from.
     assert (run / "checkpoints" / "latest").read_text().strip() == "step_00000001"
+
+
+def test_sigterm_saves_and_exits_zero(base, tmp_path):
+    """Preemption as in stages 1-2: SIGTERM -> checkpoint at the end of the iteration -> exit 0 (a world of one)."""
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    from tests.distributed.launch import child_env, free_port
+
+    run = tmp_path / "preempted"
+    args = ppo_args(base, run, **{"ppo.iterations": 1000, "ppo.eval_interval": 0, "checkpoint.save_interval": 0,
+                                  "train.micro_batch_size": 32})
+    env = child_env({"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port())})
+    log = tmp_path / "preempted.log"
+    proc = subprocess.Popen([sys.executable, str(CLI), *args], cwd=ROOT, env=env, stdout=open(log, "w"),
+                            stderr=subprocess.STDOUT, start_new_session=True)
+    deadline = time.time() + 300
+    while time.time() < deadline and proc.poll() is None:
+        if (run / "metrics.jsonl").exists() and max(rows(run)) >= 1:
+            break
+        time.sleep(0.2)
+    assert proc.poll() is None, log.read_text()[-3000:]
+    proc.send_signal(signal.SIGTERM)
+    try:
+        proc.wait(timeout=300)
+    finally:
+        os.killpg(proc.pid, signal.SIGKILL)  # the checkpoint manager's helper processes
+    out = log.read_text()
+    assert proc.returncode == 0, out[-3000:]
+    stopped_at = max(rows(run))
+    assert (run / "checkpoints" / "latest").read_text().strip() == f"step_{stopped_at:08d}"
+    assert f"saved checkpoint at iteration {stopped_at}" in out
