@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # Reward hacking made visible on the tiny task (after examples/tiny/run.sh): a weak reward model,
-# trained on only 1000 of the SFT-sample pairs, is exploited by PPO. The RM score climbs while the
-# hidden gold score (eval/gold_score) falls; the doctor prints `reward_hacking` warnings and counts
-# them as warn/reward_hacking. tiny-task.md measured this with plain PyTorch: true 0.75 -> 0.35.
+# trained from scratch instead of from the SFT backbone, exploited by PPO without the KL leash
+# (ppo.beta=0) and with a 3x higher lr. The RM score climbs while the hidden gold score
+# (eval/gold_score) falls; the doctor prints `reward_hacking` warnings and counts them as
+# warn/reward_hacking. tiny-task.md measured the weak-RM recipe with plain PyTorch: true 0.75 -> 0.52.
 #   bash examples/tiny/reward_hacking.sh            # extra key=value overrides go to the PPO run
 # Compare in TensorBoard: tensorboard --logdir runs/tiny  (eval/gold_score vs eval/rm_score)
 set -euo pipefail
@@ -10,11 +11,14 @@ cd "$(dirname "$0")/../.."
 NPROC=${NPROC:-2}
 export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}
 [ -f runs/tiny/ppo/summary.json ] || { echo "run examples/tiny/run.sh first"; exit 2; }
-head -n 1000 runs/tiny/data/sft_pairs.jsonl > runs/tiny/data/sft_pairs_1000.jsonl
-torchrun --nproc_per_node "$NPROC" -m megatron_rlhf.cli rm examples/tiny/rm.yaml \
-  data.train_path=runs/tiny/data/sft_pairs_1000.jsonl logging.run_dir=runs/tiny/rm_weak train.epochs=4
+# The RM of examples/tiny/rm.yaml, but initialised at random (the SFT architecture, inline) instead of from SFT.
+torchrun --nproc_per_node "$NPROC" -m megatron_rlhf.cli rm examples/tiny/rm.yaml logging.run_dir=runs/tiny/rm_weak \
+  model.load=null model.num_layers=4 model.hidden_size=128 model.ffn_hidden_size=384 model.num_attention_heads=4 \
+  model.num_query_groups=4 model.vocab_size=17 model.max_position_embeddings=64 \
+  calibration.policy_load=runs/tiny/sft/checkpoints
 torchrun --nproc_per_node "$NPROC" -m megatron_rlhf.cli ppo examples/tiny/ppo.yaml \
-  ppo.reward_load=runs/tiny/rm_weak/checkpoints logging.run_dir=runs/tiny/ppo_hacked "$@"
+  ppo.reward_load=runs/tiny/rm_weak/checkpoints logging.run_dir=runs/tiny/ppo_hacked \
+  ppo.beta=0 train.lr=3e-4 ppo.iterations=100 "$@"
 python - <<'PY'
 import json
 from megatron_rlhf.metrics import read_jsonl
@@ -26,6 +30,6 @@ for r in rows:
 last = rows[-1]
 print("doctor:", {k: v for k, v in last.items() if k.startswith("warn/") and v})
 s = json.load(open("runs/tiny/ppo_hacked/summary.json"))
-print(f"weak RM: true reward {s['true_reward_sft']:.3f} -> {s['true_reward_ppo']:.3f} while RM reward "
+print(f"RM from scratch, beta=0: true reward {s['true_reward_sft']:.3f} -> {s['true_reward_ppo']:.3f} while RM reward "
       f"{s['rm_reward_sft']:.3f} -> {s['rm_reward_ppo']:.3f}")
 PY

@@ -18,7 +18,7 @@ from megatron_rlhf.checkpoint import state as ckpt
 from megatron_rlhf.metrics import peak_memory_gib
 from megatron_rlhf.parallel import init
 from megatron_rlhf.trainer.run import (
-    StopFlag, build_trainable, open_metrics, record_run, resume_point, start_run, write_json,
+    StopFlag, build_trainable, open_metrics, record_run, resume_point, save_or_stop, start_run, write_json,
 )
 from megatron_rlhf.trainer.step import LossFn, make_forward_step, reduce_stats, run_schedule, train_step
 
@@ -94,16 +94,10 @@ def run_stage(cfg, stage: Stage) -> Dict[str, float]:
         if splits.eval is not None and (evaluate_now or step == total_steps):
             last_eval = evaluate(chunks, splits.eval, stage, cfg, tokenizer, dp_size, pad_to)
             metrics.log(step, {f"eval/{k}": v for k, v in last_eval.items()})
-        if stop.any_rank():
-            save(step)
-            if log:
-                log(f"stop requested: saved checkpoint at step {step}, exiting")
-            metrics.close()
-            init.destroy()
+        done = save_or_stop(cfg, step, stop, save, metrics, log)
+        if done == "stopped":
             return last_eval
-        if cfg.checkpoint.save_interval and step % cfg.checkpoint.save_interval == 0:
-            save(step)
-            saved_at = step
+        saved_at = step if done == "saved" else saved_at
     final = {}
     if stage.finalize is not None and step == total_steps and not resumed_extra.get("finalized"):
         final = stage.finalize(cfg, chunks, tokenizer, ps.get_data_parallel_rank(), dp_size, log)

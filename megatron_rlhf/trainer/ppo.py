@@ -33,7 +33,9 @@ from megatron_rlhf.trainer.experience import Frozen, estimate_advantages, rollou
 from megatron_rlhf.trainer.ppo_eval import evaluate, generate, load_gold_scorer, sample_panel, summary, uniforms
 from megatron_rlhf.trainer.ppo_learn import SkipGuard, TrainingDiverged, learn
 from megatron_rlhf.trainer.ppo_models import build_ppo_models
-from megatron_rlhf.trainer.run import StopFlag, open_metrics, record_run, resume_point, start_run, write_json
+from megatron_rlhf.trainer.run import (
+    StopFlag, open_metrics, record_run, resume_point, save_or_stop, start_run, write_json,
+)
 
 NAMESPACES = ("ppo", "eval", "time", "perf", "warn")
 
@@ -135,15 +137,8 @@ def fit(cfg) -> Dict[str, float]:
         metrics.log(iteration, stats)
         if p.sample_interval and iteration % p.sample_interval == 0:
             metrics.log_text("samples", sample_panel(exp, tok, gold), step=iteration)
-        if stop.any_rank():
-            save(iteration)
-            if log:
-                log(f"stop requested: saved checkpoint at iteration {iteration}, exiting")
-            metrics.close()
-            init.destroy()
+        if save_or_stop(cfg, iteration, stop, save, metrics, log, unit="iteration") == "stopped":
             return last_eval
-        if cfg.checkpoint.save_interval and iteration % cfg.checkpoint.save_interval == 0:
-            save(iteration)
     if resume_from is None or iteration > resumed_at:
         save(iteration)
     if iteration == p.iterations:

@@ -132,6 +132,22 @@ class StopFlag:
         return bool(flag.item())
 
 
+def save_or_stop(cfg, step: int, stop: StopFlag, save: Callable[[int], None], metrics, log, unit: str = "step") -> str:
+    """After a step: on a stop request on any rank, save, close and return "stopped" (the caller returns);
+    else save when `checkpoint.save_interval` is due ("saved"); else "". Collective."""
+    if stop.any_rank():
+        save(step)
+        if log:
+            log(f"stop requested: saved checkpoint at {unit} {step}, exiting")
+        metrics.close()
+        init.destroy()
+        return "stopped"
+    if cfg.checkpoint.save_interval and step % cfg.checkpoint.save_interval == 0:
+        save(step)
+        return "saved"
+    return ""
+
+
 def open_metrics(cfg, ctx: RunContext, total_steps: int, start_step: int,
                  namespaces: Optional[Sequence[str]] = None, desc: str = "train"):
     """The rank-0 MetricsLogger of this run (a no-op object on other ranks)."""
