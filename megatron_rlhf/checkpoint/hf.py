@@ -278,7 +278,9 @@ def hf_config_from_model_config(cfg: ModelConfig) -> dict:
     if cfg.family == "mistral":
         out["sliding_window"] = cfg.sliding_window
     if cfg.family == "qwen2":
-        out.update(use_sliding_window=cfg.sliding_window is not None, sliding_window=cfg.sliding_window)
+        # max_window_layers=0: the window applies from layer 0 on, as in Megatron (transformers' default is 28).
+        out.update(use_sliding_window=cfg.sliding_window is not None, sliding_window=cfg.sliding_window,
+                   max_window_layers=0)
     return out
 
 
