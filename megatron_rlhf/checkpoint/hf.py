@@ -34,6 +34,7 @@ from typing import Callable, Dict, Iterable, Iterator, List, Optional, Sequence,
 import torch
 
 from megatron_rlhf.checkpoint.dcp_stream import CkptChunk, DistCheckpointReader, write_dist_checkpoint
+from megatron_rlhf.checkpoint.hf_checks import check_tied_head
 from megatron_rlhf.checkpoint.hf_io import (
     HFCheckpoint,
     HFShardWriter,
@@ -65,6 +66,7 @@ def validate_hf_tensors(ckpt: HFCheckpoint, cfg: ModelConfig, head: str) -> None
             raise ConversionError(f"missing tensor {name} in {ckpt.dir} (a {cfg.family} model with head={head} needs it)")
         hm.check_hf_shape(name, ckpt.shape(name), shape)
     allowed_extra = {"lm_head.weight"} if cfg.tie_embeddings else set()  # some tied checkpoints keep a copy
+    check_tied_head(ckpt, cfg)  # ... but a copy that differs is refused, never dropped
     for name in ckpt.names():
         if name in expected or name in allowed_extra or any(p.fullmatch(name) for p in hm.IGNORED_HF):
             continue

@@ -198,6 +198,16 @@ class HFCheckpoint:
                 return f.get_tensor(name)
         return self._load_bin(path)[name].clone()
 
+    def get_rows(self, name: str, start: int, stop: int) -> torch.Tensor:
+        """Rows [start, stop) of one tensor, reading only those rows from safetensors."""
+        path = self._file_of[name]
+        if path.suffix == ".safetensors":
+            from safetensors import safe_open
+
+            with safe_open(str(path), framework="pt") as f:
+                return f.get_slice(name)[start:stop]
+        return self._load_bin(path)[name][start:stop]
+
     def model_config(self) -> Tuple[ModelConfig, str]:
         try:
             cfg, head = model_config_from_hf(self.config)

@@ -1,4 +1,5 @@
-"""Conversion inputs that used to convert silently wrong (issue 12): per-layer Qwen2 windows."""
+"""Conversion inputs that used to convert silently wrong (issue 12): per-layer Qwen2 windows and a
+tied model whose stored lm_head differs from its embedding."""
 
 from __future__ import annotations
 
@@ -63,3 +64,21 @@ def test_exported_qwen2_config_windows_every_layer_in_transformers():
     exported = conv.hf_config_from_model_config(cfg)
     assert tr.Qwen2Config(**exported).layer_types == ["sliding_attention"] * 4
     assert model_config_from_hf(dict(exported, architectures=["Qwen2ForCausalLM"]))[0].sliding_window == 8
+
+
+def test_tied_model_with_a_different_lm_head_is_refused(qwen2, tmp_path, capsys):
+    def add_head(sd):
+        sd["lm_head.weight"] = sd["model.embed_tokens.weight"].clone()
+        sd["lm_head.weight"][-1, 0] += 1.0  # differs in the very last row only
+
+    src = _copy_model(qwen2, tmp_path / "m", edit=add_head)
+    line = _error(capsys, conv.hf_to_megatron_main, ["--hf-dir", str(src), "--out", str(tmp_path / "o")])
+    assert "tie_word_embeddings=true but lm_head.weight differs from model.embed_tokens.weight" in line
+    _no_output(tmp_path, tmp_path / "o")
+
+
+def test_tied_model_with_an_identical_lm_head_copy_converts(qwen2, tmp_path):
+    src = _copy_model(qwen2, tmp_path / "m", edit=lambda sd: sd.update(
+        {"lm_head.weight": sd["model.embed_tokens.weight"].clone()}))
+    conv.hf_to_megatron(src, tmp_path / "o")
+    assert (tmp_path / "o" / conv.META_FILE).is_file()
