@@ -21,6 +21,7 @@ from megatron_rlhf.models.build import build_model
 from megatron_rlhf.parallel import init
 from megatron_rlhf.parallel.layout import validate_layout
 from megatron_rlhf.trainer.optim import build_optimizer, wrap_ddp
+from megatron_rlhf.trainer.preflight import check_run_dirs
 from megatron_rlhf.trainer.step import LossFn, make_forward_step, reduce_stats, run_schedule, train_step
 
 
@@ -73,6 +74,7 @@ def _metrics(cfg, total_steps: int, start_step: int, rank0: bool):
 
 def run_stage(cfg, stage: Stage) -> Dict[str, float]:
     """Train one stage to the end (or to a preemption checkpoint). Returns the last eval metrics."""
+    check_run_dirs(cfg)  # before any slow work
     model_cfg = cfg.model.to_model_config()
     world = init.world_size_from_env()
     validate_layout(
