@@ -34,7 +34,7 @@ from typing import Callable, Dict, Iterable, Iterator, List, Optional, Sequence,
 import torch
 
 from megatron_rlhf.checkpoint.dcp_stream import CkptChunk, DistCheckpointReader, write_dist_checkpoint
-from megatron_rlhf.checkpoint.hf_checks import check_tied_head
+from megatron_rlhf.checkpoint.hf_checks import check_tied_head, read_meta_fields
 from megatron_rlhf.checkpoint.hf_io import (
     HFCheckpoint,
     HFShardWriter,
@@ -42,6 +42,7 @@ from megatron_rlhf.checkpoint.hf_io import (
     check_output_dir,
     copy_tokenizer_files,
     dtype_name,
+    read_config_json,
 )
 from megatron_rlhf.models import hf_mapping as hm
 from megatron_rlhf.models.hf_mapping import ConversionError
@@ -148,9 +149,7 @@ class ConvertMeta:
                 f"no {META_FILE} in {ckpt_dir}: not written by convert_hf_to_megatron; for another checkpoint "
                 "(e.g. from training) pass --hf-config HF_DIR (and --key-prefix NAME. if its keys have one)"
             )
-        data = json.loads(path.read_text())
-        data["tokenizer_files"] = tuple(data.get("tokenizer_files", ()))
-        return cls(**data)
+        return cls(**read_meta_fields(path, cls))
 
     def config(self) -> ModelConfig:
         return ModelConfig(**self.model_config)
@@ -355,7 +354,7 @@ def megatron_to_hf(
         cfg_file = hf_dir / "config.json" if hf_dir.is_dir() else hf_dir
         if not cfg_file.is_file():
             raise ConversionError(f"no config.json at {hf_config_dir}: --hf-config takes an HF directory or config.json")
-        hf_config = json.loads(cfg_file.read_text())
+        hf_config = read_config_json(cfg_file)
         try:
             cfg, src_head = model_config_from_hf(hf_config)
         except UnsupportedModelError as e:

@@ -36,3 +36,35 @@ def check_tied_head(ckpt, cfg: ModelConfig) -> None:
             f"config.json in {ckpt.dir} has tie_word_embeddings=true but {name} differs from {emb}: "
             f"set tie_word_embeddings=false to keep the stored head, or delete {name} to tie it to the embedding"
         )
+
+
+def read_meta_fields(path, cls) -> dict:
+    """The fields of `megatron_rlhf_meta.json` at `path` that dataclass `cls` knows, as keyword arguments.
+
+    Fields written by a newer version are ignored with a warning (a newer writer must not break an
+    older reader); a file that is not a JSON object is a ConversionError.
+    """
+    import dataclasses
+    import json
+    import sys
+
+    try:
+        data = json.loads(open(path).read())
+    except (OSError, ValueError) as e:
+        raise ConversionError(f"{path} is not valid JSON ({e}): convert the checkpoint again, or pass "
+                              "--hf-config HF_DIR to describe it without this file") from None
+    if not isinstance(data, dict):
+        raise ConversionError(f"{path} holds a JSON {type(data).__name__}, not an object: convert the checkpoint again")
+    known = {f.name for f in dataclasses.fields(cls)}
+    unknown = sorted(set(data) - known)
+    if unknown:
+        print(f"warning: {path} has fields this version does not know, ignored: {', '.join(unknown)}",
+              file=sys.stderr)
+    required = [f.name for f in dataclasses.fields(cls)
+                if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING]
+    missing = [k for k in required if k not in data]
+    if missing:
+        raise ConversionError(f"{path} lacks {', '.join(missing)}: convert the checkpoint again")
+    kwargs = {k: v for k, v in data.items() if k in known}
+    kwargs["tokenizer_files"] = tuple(kwargs.get("tokenizer_files", ()))
+    return kwargs

@@ -107,10 +107,10 @@ class HFCheckpoint:
 
     def __init__(self, hf_dir: str | os.PathLike):
         self.dir = Path(hf_dir)
-        cfg_path = self.dir / "config.json"
-        if not cfg_path.is_file():
-            raise ConversionError(f"no config.json in {self.dir}: --hf-dir must be a Hugging Face model directory")
-        self.config = json.loads(cfg_path.read_text())
+        if not self.dir.is_dir():
+            what = "is a file, not a directory" if self.dir.exists() else "does not exist"
+            raise ConversionError(f"--hf-dir {self.dir} {what}: pass a Hugging Face model directory")
+        self.config = read_config_json(self.dir / "config.json")
         self._file_of: Dict[str, Path] = {}
         self._meta: Dict[str, Tuple[Tuple[int, ...], torch.dtype]] = {}
         self._bin_cache: Tuple[Optional[Path], Optional[dict]] = (None, None)
@@ -139,9 +139,7 @@ class HFCheckpoint:
             (self._scan_safetensors if f.suffix == ".safetensors" else self._scan_bin)(f)
 
     def _scan_safetensors(self, path: Path) -> None:
-        from safetensors import safe_open
-
-        with safe_open(str(path), framework="pt") as f:  # header only: no tensor data is read
+        with _open_safetensors(path) as f:  # header only: no tensor data is read
             for name in f.keys():
                 sl = f.get_slice(name)
                 dtype = _ST_DTYPES_REV.get(sl.get_dtype())
@@ -174,6 +172,10 @@ class HFCheckpoint:
                     f"{path} does not load with torch.load(weights_only=True) ({first[:120]}): it holds more than "
                     "tensors; it is refused rather than executed - convert it to safetensors with code you trust"
                 ) from None
+            except (RuntimeError, EOFError, OSError) as e:
+                first = (str(e).strip().splitlines() or [type(e).__name__])[0].split(". ")[0]
+                raise ConversionError(f"{path} is not a readable torch file ({first[:120]}): it is truncated or "
+                                      "damaged; download or copy it again") from None
             self._bin_cache = (path, sd)
         return self._bin_cache[1]  # type: ignore[return-value]
 
@@ -192,9 +194,7 @@ class HFCheckpoint:
             raise ConversionError(f"missing tensor {name} in {self.dir}")
         path = self._file_of[name]
         if path.suffix == ".safetensors":
-            from safetensors import safe_open
-
-            with safe_open(str(path), framework="pt") as f:
+            with _open_safetensors(path) as f:
                 return f.get_tensor(name)
         return self._load_bin(path)[name].clone()
 
@@ -202,9 +202,7 @@ class HFCheckpoint:
         """Rows [start, stop) of one tensor, reading only those rows from safetensors."""
         path = self._file_of[name]
         if path.suffix == ".safetensors":
-            from safetensors import safe_open
-
-            with safe_open(str(path), framework="pt") as f:
+            with _open_safetensors(path) as f:
                 return f.get_slice(name)[start:stop]
         return self._load_bin(path)[name][start:stop]
 
@@ -216,6 +214,34 @@ class HFCheckpoint:
         except KeyError as e:
             raise ConversionError(f"config.json in {self.dir} lacks {e.args[0]!r}") from None
         return cfg, hm.normalize_head(head)
+
+
+def read_config_json(path: Path) -> dict:
+    """An HF config.json as a dict; ConversionError for a missing, invalid or non-object file."""
+    path = Path(path)
+    if not path.is_file():
+        raise ConversionError(f"no config.json in {path.parent}: --hf-dir must be a Hugging Face model directory")
+    try:
+        config = json.loads(path.read_text())
+    except (ValueError, UnicodeDecodeError) as e:
+        raise ConversionError(f"{path} is not valid JSON ({e}): fix or replace it") from None
+    if not isinstance(config, dict):
+        raise ConversionError(f"{path} holds a JSON {type(config).__name__}, not an object of model settings: "
+                              "fix or replace it")
+    return config
+
+
+@contextlib.contextmanager
+def _open_safetensors(path: Path):
+    """safe_open that turns a truncated or garbage file into one ConversionError line."""
+    from safetensors import SafetensorError, safe_open
+
+    try:
+        with safe_open(str(path), framework="pt") as f:
+            yield f
+    except SafetensorError as e:
+        raise ConversionError(f"{path} is not a readable safetensors file ({e}): it is truncated or damaged; "
+                              "download or copy it again") from None
 
 
 class HFShardWriter:

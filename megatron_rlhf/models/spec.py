@@ -136,6 +136,10 @@ def model_config_from_hf(hf_config: Any) -> tuple[ModelConfig, str]:
 
     Returns (config, head) where head is "lm" for causal LMs and "score" for sequence classifiers.
     """
+    if not isinstance(hf_config, Mapping) and not hasattr(hf_config, "to_dict"):
+        raise UnsupportedModelError(
+            f"an HF config must be a JSON object of model settings, not a {type(hf_config).__name__}"
+        )
     hf = hf_config if isinstance(hf_config, Mapping) else hf_config.to_dict()
     archs = hf.get("architectures") or []
     if archs:

@@ -3,6 +3,8 @@ tied model whose stored lm_head differs from its embedding."""
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 
@@ -82,3 +84,96 @@ def test_tied_model_with_an_identical_lm_head_copy_converts(qwen2, tmp_path):
         {"lm_head.weight": sd["model.embed_tokens.weight"].clone()}))
     conv.hf_to_megatron(src, tmp_path / "o")
     assert (tmp_path / "o" / conv.META_FILE).is_file()
+
+
+# ---------------------------------------------------------------------------------------------
+# Damaged or malformed input: one `error:` line, exit 2, nothing written
+# ---------------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def converted(qwen2, tmp_path_factory):
+    return conv.hf_to_megatron(qwen2, tmp_path_factory.mktemp("mg") / "mg")
+
+
+def _variant(src, dst, damage):
+    import shutil
+
+    shutil.copytree(src, dst)
+    damage(dst)
+    return dst
+
+
+def _size(p):
+    return os.path.getsize(p)
+
+
+@pytest.mark.parametrize("damage, expected", [
+    (lambda d: os.truncate(d / "model.safetensors", 1000), "model.safetensors is not a readable safetensors file"),
+    (lambda d: os.truncate(d / "model.safetensors", _size(d / "model.safetensors") - 100),
+     "model.safetensors is not a readable safetensors file"),
+    (lambda d: (d / "model.safetensors").write_bytes(b"garbage" * 100), "is not a readable safetensors file"),
+    (lambda d: (d / "config.json").write_text("{nope"), "config.json is not valid JSON"),
+    (lambda d: (d / "config.json").write_text("[1, 2]"), "config.json holds a JSON list, not an object"),
+    (lambda d: _bin(d, truncate=True), "pytorch_model.bin is not a readable torch file"),
+])
+def test_damaged_hf_input_is_one_line(qwen2, tmp_path, capsys, damage, expected):
+    src = _variant(qwen2, tmp_path / "m", damage)
+    line = _error(capsys, conv.hf_to_megatron_main, ["--hf-dir", str(src), "--out", str(tmp_path / "o"), "--quiet"])
+    assert line.startswith("error: ") and expected in line, line
+    _no_output(tmp_path, tmp_path / "o")
+
+
+def _bin(d, truncate):
+    from safetensors.torch import load_file
+
+    sd = load_file(str(d / "model.safetensors"))
+    (d / "model.safetensors").unlink()
+    torch.save(sd, d / "pytorch_model.bin")
+    if truncate:
+        os.truncate(d / "pytorch_model.bin", 300)
+
+
+@pytest.mark.parametrize("damage, expected", [
+    (lambda d: (d / conv.META_FILE).write_text("{x"), f"{conv.META_FILE} is not valid JSON"),
+    (lambda d: (d / conv.META_FILE).write_text("[]"), f"{conv.META_FILE} holds a JSON list"),
+    (lambda d: (d / "__0_0.distcp").unlink(), "is damaged: __0_0.distcp is missing (.metadata names it)"),
+    (lambda d: os.truncate(d / "__0_0.distcp", 100), "is damaged: __0_0.distcp is truncated (100 of "),
+    (lambda d: os.truncate(d / ".metadata", 40), ".metadata is unreadable (UnpicklingError"),
+    (lambda d: _scramble(d / "__0_0.distcp"), "is damaged: reading"),
+])
+def test_damaged_megatron_input_is_one_line(converted, tmp_path, capsys, damage, expected):
+    src = _variant(converted, tmp_path / "mg", damage)
+    line = _error(capsys, conv.megatron_to_hf_main, ["--megatron-dir", str(src), "--out", str(tmp_path / "o"), "--quiet"])
+    assert line.startswith("error: ") and expected in line, line
+    _no_output(tmp_path, tmp_path / "o")
+
+
+def _scramble(path):
+    """Same size, garbage bytes: only the read itself can notice."""
+    path.write_bytes(b"\x00" * _size(path))
+
+
+def test_unknown_meta_field_is_ignored_with_a_warning(converted, tmp_path, capsys):
+    import json
+
+    def newer(d):
+        meta = json.loads((d / conv.META_FILE).read_text())
+        (d / conv.META_FILE).write_text(json.dumps(dict(meta, written_by_a_newer_version={"x": 1})))
+
+    src = _variant(converted, tmp_path / "mg", newer)
+    assert conv.megatron_to_hf_main(["--megatron-dir", str(src), "--out", str(tmp_path / "o"), "--quiet"]) == 0
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == [f"warning: {src / conv.META_FILE} has fields this version does not know, ignored: "
+                   "written_by_a_newer_version"]
+    assert (tmp_path / "o" / "model.safetensors").is_file()
+
+
+def test_missing_hf_dir_says_it_does_not_exist(tmp_path, capsys):
+    line = _error(capsys, conv.hf_to_megatron_main, ["--hf-dir", str(tmp_path / "nope"), "--out", str(tmp_path / "o")])
+    assert line == f"error: --hf-dir {tmp_path / 'nope'} does not exist: pass a Hugging Face model directory"
+
+
+def test_hf_config_that_is_a_list_is_refused():
+    with pytest.raises(UnsupportedModelError, match="must be a JSON object of model settings, not a list"):
+        model_config_from_hf([1])
