@@ -60,7 +60,10 @@ def _user_errors() -> tuple:
 
 
 def _error(message: str) -> int:
-    print(f"error: {message}", file=sys.stderr, flush=True)
+    from megatron_rlhf.parallel.report import should_print_error
+
+    if should_print_error(message):  # once per job (rank 0), not once per rank
+        print(f"error: {message}", file=sys.stderr, flush=True)
     return 2
 
 
