@@ -21,6 +21,7 @@ from typing import Dict, Iterator, List, Optional, Sequence, Tuple
 
 import torch
 
+from megatron_rlhf.checkpoint.out_dir import check_output_dir, sweep_stale_tmp, tmp_prefix
 from megatron_rlhf.models import hf_mapping as hm
 from megatron_rlhf.models.hf_mapping import ConversionError
 from megatron_rlhf.models.spec import ModelConfig, UnsupportedModelError, model_config_from_hf
@@ -54,22 +55,19 @@ def dtype_name(dtype: torch.dtype) -> str:
     return str(dtype).replace("torch.", "")
 
 
-def check_output_dir(out: Path, overwrite: bool) -> None:
-    if out.exists() and not overwrite:
-        raise ConversionError(f"output directory {out} already exists: pass --overwrite or choose another --out")
-
-
 @contextlib.contextmanager
 def atomic_output_dir(out: Path, overwrite: bool) -> Iterator[Path]:
     """Yield a temp dir next to `out`; on success it becomes `out` (replacing it if `overwrite`).
 
     A failed conversion leaves nothing (the temp dir is removed); a killed one leaves only a hidden
-    `.<name>.tmp-*` directory, so `out` never exists half-written.
+    `.<name>.tmp-<pid>@<host>-*` directory, so `out` never exists half-written; the next conversion
+    into `out` removes it (out_dir.sweep_stale_tmp).
     """
     out = Path(out).absolute()
     check_output_dir(out, overwrite)
     out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
+    sweep_stale_tmp(out)
+    tmp = Path(tempfile.mkdtemp(prefix=tmp_prefix(out), dir=out.parent))
     umask = os.umask(0)
     os.umask(umask)
     os.chmod(tmp, 0o777 & ~umask)  # mkdtemp makes it private; the result should be an ordinary directory
@@ -144,7 +142,9 @@ class HFCheckpoint:
                 sl = f.get_slice(name)
                 dtype = _ST_DTYPES_REV.get(sl.get_dtype())
                 if dtype is None:
-                    raise ConversionError(f"tensor {name} in {path.name} has unsupported dtype {sl.get_dtype()}")
+                    kind = " (float8: a quantized checkpoint)" if sl.get_dtype().startswith("F8") else ""
+                    raise ConversionError(f"tensor {name} in {path.name} has unsupported dtype {sl.get_dtype()}{kind}: "
+                                          "only float32/bfloat16/float16 (float64 with --dtype) weights convert")
                 self._add(name, path, tuple(sl.get_shape()), dtype)
 
     def _scan_bin(self, path: Path) -> None:
@@ -167,10 +167,12 @@ class HFCheckpoint:
                 except RuntimeError:  # legacy (non-zip) format cannot be memory-mapped
                     sd = torch.load(path, map_location="cpu", weights_only=True)
             except pickle.UnpicklingError as e:
-                first = str(e).strip().splitlines()[0]
+                from megatron_rlhf.checkpoint.hf_checks import disallowed_pickle_globals
+
                 raise ConversionError(
-                    f"{path} does not load with torch.load(weights_only=True) ({first[:120]}): it holds more than "
-                    "tensors; it is refused rather than executed - convert it to safetensors with code you trust"
+                    f"{path} does not load with torch.load(weights_only=True): it needs "
+                    f"{disallowed_pickle_globals(path, str(e))}, which is not a tensor type; it is refused rather "
+                    "than executed - convert it to safetensors with code you trust"
                 ) from None
             except (RuntimeError, EOFError, OSError) as e:
                 first = (str(e).strip().splitlines() or [type(e).__name__])[0].split(". ")[0]
