@@ -6,6 +6,7 @@
     megatron-rlhf rm  CONFIG.yaml [key=value ...]     # stage 2
     megatron-rlhf convert hf-to-megatron --hf-dir IN --out OUT   # and megatron-to-hf
     megatron-rlhf prepare-tiny OUT_DIR                # data + tokenizer of the tiny CPU task
+    megatron-rlhf launch --nproc-per-node N sft ...   # N ranks on this node (preemption-safe torchrun)
     megatron-rlhf <command> --help                    # a config command lists its groups and fields
 
 Every command is one line of `COMMANDS`. A config command (`config=` set) loads
@@ -39,6 +40,7 @@ COMMANDS = {
     "rm": Command("Bradley-Terry reward model on preference pairs (stage 2)", "megatron_rlhf.trainer.rm:run", C.RMConfig),
     "convert": Command("HF <-> Megatron checkpoints: convert hf-to-megatron|megatron-to-hf ...", "megatron_rlhf.checkpoint.hf:main"),
     "prepare-tiny": Command("write the tiny sort-digits task (tokenizer + jsonl)", "megatron_rlhf.tasks.sort_digits:main"),
+    "launch": Command("run N ranks of a command on this node: launch --nproc-per-node N sft CONFIG.yaml ...", "megatron_rlhf.launch:main"),
     "tiny-pairs": Command("preference pairs for the tiny task from two SFT-policy samples per prompt", "megatron_rlhf.tasks.sft_pairs:main"),
 }
 

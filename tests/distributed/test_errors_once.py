@@ -4,10 +4,12 @@ that only rank 1 reads (its RNG state), which every rank must agree on."""
 
 import os
 import re
+import sys
 
 import pytest
 
-from tests.distributed.test_training import data, overrides, run_cli  # noqa: F401 (fixture)
+from tests.distributed.launch import child_env, run_reaped
+from tests.distributed.test_training import CLI, data, overrides, run_cli  # noqa: F401 (fixture)
 
 
 def _error_lines(proc):
@@ -22,6 +24,15 @@ def test_layout_error_is_printed_once(data, tmp_path):  # noqa: F811
     assert proc.returncode != 0
     lines = _error_lines(proc)
     assert len(lines) == 1 and "not divisible by tp*pp*cp" in lines[0], proc.stderr[-3000:]
+
+
+def test_under_megatron_rlhf_launch_an_error_is_the_only_output(data, tmp_path):  # noqa: F811
+    args = overrides(data, tmp_path / "run", **{"parallel.tp": 3})
+    proc = run_reaped([sys.executable, str(CLI), "launch", "--nproc-per-node", "2", "sft", *args],
+                      env=child_env(), timeout=300)
+    assert proc.returncode == 2
+    assert proc.stderr.strip().splitlines() == [
+        "error: world size 2 is not divisible by tp*pp*cp = 3*1*1 = 3: change parallel.tp/pp/cp or the number of ranks"]
 
 
 def test_data_error_after_init_is_printed_once(data, tmp_path):  # noqa: F811
