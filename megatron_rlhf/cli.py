@@ -7,6 +7,7 @@
     megatron-rlhf ppo CONFIG.yaml [key=value ...]     # stage 3
     megatron-rlhf convert hf-to-megatron --hf-dir IN --out OUT   # and megatron-to-hf
     megatron-rlhf prepare-tiny OUT_DIR                # data + tokenizer of the tiny CPU task
+    megatron-rlhf launch --nproc-per-node N sft ...   # N ranks on this node (preemption-safe torchrun)
     megatron-rlhf <command> --help                    # a config command lists its groups and fields
 
 Every command is one line of `COMMANDS`. A config command (`config=` set) loads
@@ -41,6 +42,7 @@ COMMANDS = {
     "ppo": Command("PPO against the reward model, KL-penalised to the SFT policy (stage 3)", "megatron_rlhf.trainer.ppo:run", C.PPOConfig),
     "convert": Command("HF <-> Megatron checkpoints: convert hf-to-megatron|megatron-to-hf ...", "megatron_rlhf.checkpoint.hf:main"),
     "prepare-tiny": Command("write the tiny sort-digits task (tokenizer + jsonl)", "megatron_rlhf.tasks.sort_digits:main"),
+    "launch": Command("run N ranks of a command on this node: launch --nproc-per-node N sft CONFIG.yaml ...", "megatron_rlhf.launch:main"),
     "tiny-pairs": Command("preference pairs for the tiny task from two SFT-policy samples per prompt", "megatron_rlhf.tasks.sft_pairs:main"),
 }
 
@@ -62,7 +64,10 @@ def _user_errors() -> tuple:
 
 
 def _error(message: str) -> int:
-    print(f"error: {message}", file=sys.stderr, flush=True)
+    from megatron_rlhf.parallel.report import should_print_error
+
+    if should_print_error(message):  # once per job (rank 0), not once per rank
+        print(f"error: {message}", file=sys.stderr, flush=True)
     return 2
 
 

@@ -150,12 +150,15 @@ def read_rows(path: str, fmt: Optional[str] = None):
             else:
                 line_files.append(f)
         parts = []
+        line_files = [f for f in line_files if os.path.getsize(f) > 0]  # datasets cannot read an empty file
         if line_files:
             ds = datasets.Dataset.from_text(line_files, keep_in_memory=True)
             ds = ds.filter(lambda t: bool(t.strip()), input_columns="text", keep_in_memory=True)
             parts.append(ds.rename_column("text", _JSON_COLUMN))
         if texts:
             parts.append(datasets.Dataset.from_dict({_JSON_COLUMN: texts}))
+        if not parts:  # only empty files: tokenize_rows reports "no rows"
+            return datasets.Dataset.from_dict({_JSON_COLUMN: []})
         return parts[0] if len(parts) == 1 else datasets.concatenate_datasets(parts)
     if fmt == "parquet":
         return datasets.Dataset.from_parquet(files, keep_in_memory=True)
@@ -396,6 +399,9 @@ def tokenize_rows(raw, kind: str, cfg: DataConfig, tokenizer, source: str = "dat
         raise ValueError(f"kind={kind!r} is not one of {KINDS}")
     if cfg.append_eos and kind != "prompt" and tokenizer.eos_token_id is None:
         raise DataError("the tokenizer has no EOS token: set data.append_eos=false or use another tokenizer")
+    if len(raw) == 0:  # checked before `map`, which gives an empty dataset no columns
+        raise DataError(f"data {source}: no rows (the file is empty or holds only blank lines): give one JSON "
+                        "object per line, or a json/parquet/arrow file with rows")
     fn = _Tokenize(kind, cfg, tokenizer, from_json=_JSON_COLUMN in raw.column_names)
     # An explicit fingerprint: datasets would otherwise try to hash the tokenizer (slow, warns).
     fingerprint = hashlib.sha1(

@@ -12,13 +12,13 @@ NPROC=${NPROC:-2}
 export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}
 [ -f runs/tiny/ppo/summary.json ] || { echo "run examples/tiny/run.sh first"; exit 2; }
 # The RM of examples/tiny/rm.yaml, but initialised at random (the SFT architecture, inline) instead of from SFT.
-torchrun --nproc_per_node "$NPROC" -m megatron_rlhf.cli rm examples/tiny/rm.yaml logging.run_dir=runs/tiny/rm_weak \
+megatron-rlhf launch --nproc-per-node "$NPROC" rm examples/tiny/rm.yaml logging.run_dir=runs/tiny/rm_weak \
   model.load=null model.num_layers=4 model.hidden_size=128 model.ffn_hidden_size=384 model.num_attention_heads=4 \
   model.num_query_groups=4 model.vocab_size=17 model.max_position_embeddings=64 \
   calibration.policy_load=runs/tiny/sft/checkpoints
-torchrun --nproc_per_node "$NPROC" -m megatron_rlhf.cli ppo examples/tiny/ppo.yaml \
+megatron-rlhf launch --nproc-per-node "$NPROC" ppo examples/tiny/ppo.yaml \
   ppo.reward_load=runs/tiny/rm_weak/checkpoints logging.run_dir=runs/tiny/ppo_hacked \
-  ppo.beta=0 train.lr=3e-4 ppo.iterations=100 "$@"
+  ppo.beta=0 train.lr=3e-4 ppo.iterations=50 "$@"
 python - <<'PY'
 import json
 from megatron_rlhf.metrics import read_jsonl

@@ -8,17 +8,17 @@ cd "$(dirname "$0")/../.."
 NPROC=${NPROC:-2}
 export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}
 [ -f runs/tiny/data/meta.json ] || megatron-rlhf prepare-tiny runs/tiny/data
-torchrun --nproc_per_node "$NPROC" -m megatron_rlhf.cli sft examples/tiny/sft.yaml "$@"
+megatron-rlhf launch --nproc-per-node "$NPROC" sft examples/tiny/sft.yaml "$@"
 # RM pairs from two samples of the SFT policy per prompt (tiny-task.md); see examples/tiny/rm.yaml.
 pairs() {  # OUT PROMPTS NUM
-  [ -f "runs/tiny/data/$1.jsonl" ] || torchrun --nproc_per_node "$NPROC" -m megatron_rlhf.cli tiny-pairs \
+  [ -f "runs/tiny/data/$1.jsonl" ] || megatron-rlhf launch --nproc-per-node "$NPROC" tiny-pairs \
     --policy runs/tiny/sft/checkpoints --prompts "runs/tiny/data/$2.jsonl" --tokenizer runs/tiny/data/tokenizer \
     --num-pairs "$3" --out "runs/tiny/data/$1.jsonl"
 }
 pairs sft_pairs prompts 8000
 pairs sft_pairs_eval prompts_eval 1000   # 500 eval prompts: two pairs each, fresh samples
-torchrun --nproc_per_node "$NPROC" -m megatron_rlhf.cli rm examples/tiny/rm.yaml "$@"
-torchrun --nproc_per_node "$NPROC" -m megatron_rlhf.cli ppo examples/tiny/ppo.yaml "$@"
+megatron-rlhf launch --nproc-per-node "$NPROC" rm examples/tiny/rm.yaml "$@"
+megatron-rlhf launch --nproc-per-node "$NPROC" ppo examples/tiny/ppo.yaml "$@"
 python - <<'PY'
 import json
 from megatron_rlhf.metrics import read_jsonl

@@ -35,6 +35,7 @@ from torch.distributed.checkpoint.planner_helpers import create_read_items_for_c
 from torch.distributed.checkpoint.storage import WriteResult
 from torch.futures import Future
 
+from megatron_rlhf.checkpoint.damage import root_cause
 from megatron_rlhf.models.hf_mapping import ConversionError
 
 Region = Tuple[Tuple[int, ...], Tuple[int, ...]]  # (offsets, sizes) inside a stored tensor
@@ -222,7 +223,26 @@ class DistCheckpointReader:
         if not (self.dir / ".metadata").is_file():
             raise ConversionError(f"{self.dir} is not a torch_dist checkpoint (no .metadata file)")
         self._reader = _CachedReader(self.dir)
-        self.metadata = self._reader.read_metadata()
+        try:
+            self.metadata = self._reader.read_metadata()
+        except Exception as e:  # noqa: BLE001 - truncated or garbage: one line, not a pickle traceback
+            raise ConversionError(f"{self.dir / '.metadata'} is unreadable ({root_cause(e)}): the checkpoint is "
+                                  "damaged; copy it again or use another one") from None
+        self._check_files()
+
+    def _check_files(self) -> None:
+        """Every `.distcp` file `.metadata` names exists and is long enough (checked before any output)."""
+        need: Dict[str, int] = {}
+        for info in (self.metadata.storage_data or {}).values():
+            need[info.relative_path] = max(need.get(info.relative_path, 0), info.offset + info.length)
+        for name, size in sorted(need.items()):
+            path = self.dir / name
+            if not path.is_file():
+                raise ConversionError(f"checkpoint {self.dir} is damaged: {name} is missing (.metadata names it); "
+                                      "copy the checkpoint again or use another one")
+            if path.stat().st_size < size:
+                raise ConversionError(f"checkpoint {self.dir} is damaged: {name} is truncated ({path.stat().st_size} "
+                                      f"of {size} bytes); copy the checkpoint again or use another one")
 
     def tensor_meta(self, key: str):
         md = self.metadata.state_dict_metadata.get(key)
@@ -233,6 +253,10 @@ class DistCheckpointReader:
     def read(self, requests: Dict[str, Region]) -> Dict[str, torch.Tensor]:
         """{key: (offsets, sizes)} -> {key: tensor of `sizes`} in the checkpoint's dtype."""
         out = {k: torch.empty(sizes, dtype=self.tensor_meta(k).properties.dtype) for k, (_, sizes) in requests.items()}
-        with _single_process_dcp():
-            dcp.load(out, storage_reader=self._reader, planner=_SlicePlanner(requests), no_dist=True)
+        try:
+            with _single_process_dcp():
+                dcp.load(out, storage_reader=self._reader, planner=_SlicePlanner(requests), no_dist=True)
+        except (Exception, CheckpointException) as e:  # noqa: BLE001 - corrupt data behind an intact size
+            raise ConversionError(f"checkpoint {self.dir} is damaged: reading {', '.join(requests)} failed "
+                                  f"({root_cause(e)}); copy the checkpoint again or use another one") from None
         return out

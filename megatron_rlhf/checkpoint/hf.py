@@ -34,14 +34,21 @@ from typing import Callable, Dict, Iterable, Iterator, List, Optional, Sequence,
 import torch
 
 from megatron_rlhf.checkpoint.dcp_stream import CkptChunk, DistCheckpointReader, write_dist_checkpoint
+from megatron_rlhf.checkpoint.hf_checks import (
+    check_source_dtype,
+    check_tied_head,
+    read_meta_fields,
+    warn_remote_code,
+)
 from megatron_rlhf.checkpoint.hf_io import (
     HFCheckpoint,
     HFShardWriter,
     atomic_output_dir,
-    check_output_dir,
     copy_tokenizer_files,
     dtype_name,
+    read_config_json,
 )
+from megatron_rlhf.checkpoint.out_dir import check_not_input, check_output_dir
 from megatron_rlhf.models import hf_mapping as hm
 from megatron_rlhf.models.hf_mapping import ConversionError
 from megatron_rlhf.models.spec import ModelConfig, UnsupportedModelError, model_config_from_hf
@@ -65,6 +72,7 @@ def validate_hf_tensors(ckpt: HFCheckpoint, cfg: ModelConfig, head: str) -> None
             raise ConversionError(f"missing tensor {name} in {ckpt.dir} (a {cfg.family} model with head={head} needs it)")
         hm.check_hf_shape(name, ckpt.shape(name), shape)
     allowed_extra = {"lm_head.weight"} if cfg.tie_embeddings else set()  # some tied checkpoints keep a copy
+    check_tied_head(ckpt, cfg)  # ... but a copy that differs is refused, never dropped
     for name in ckpt.names():
         if name in expected or name in allowed_extra or any(p.fullmatch(name) for p in hm.IGNORED_HF):
             continue
@@ -146,9 +154,7 @@ class ConvertMeta:
                 f"no {META_FILE} in {ckpt_dir}: not written by convert_hf_to_megatron; for another checkpoint "
                 "(e.g. from training) pass --hf-config HF_DIR (and --key-prefix NAME. if its keys have one)"
             )
-        data = json.loads(path.read_text())
-        data["tokenizer_files"] = tuple(data.get("tokenizer_files", ()))
-        return cls(**data)
+        return cls(**read_meta_fields(path, cls))
 
     def config(self) -> ModelConfig:
         return ModelConfig(**self.model_config)
@@ -173,9 +179,12 @@ def hf_to_megatron(
     key_prefix: prepended to every checkpoint key (e.g. "policy." to match a model saved under that name).
     """
     out = Path(out)
-    check_output_dir(out, overwrite)
+    check_not_input(out, {"--hf-dir": Path(hf_dir)})
+    check_output_dir(out, overwrite, "megatron")
     ckpt = HFCheckpoint(hf_dir)
     cfg, src_head = ckpt.model_config()
+    check_source_dtype(ckpt, dtype)
+    warn_remote_code(ckpt)
     dst_head = hm.normalize_head(head or src_head)
     if src_head == "scalar" and dst_head == "lm":
         raise ConversionError(
@@ -278,7 +287,9 @@ def hf_config_from_model_config(cfg: ModelConfig) -> dict:
     if cfg.family == "mistral":
         out["sliding_window"] = cfg.sliding_window
     if cfg.family == "qwen2":
-        out.update(use_sliding_window=cfg.sliding_window is not None, sliding_window=cfg.sliding_window)
+        # max_window_layers=0: the window applies from layer 0 on, as in Megatron (transformers' default is 28).
+        out.update(use_sliding_window=cfg.sliding_window is not None, sliding_window=cfg.sliding_window,
+                   max_window_layers=0)
     return out
 
 
@@ -344,14 +355,19 @@ def megatron_to_hf(
     from: config.json and tokenizer files) with `head` and `key_prefix` (e.g. "policy.").
     """
     out = Path(out)
-    check_output_dir(out, overwrite)
+    hf_input = None if hf_config_dir is None else Path(hf_config_dir)
+    check_not_input(out, {"--megatron-dir": Path(megatron_dir),
+                          "--hf-config": hf_input if hf_input is None or hf_input.is_dir() else hf_input.parent})
+    check_output_dir(out, overwrite, "hf")
+    if max_shard_bytes <= 0:
+        raise ConversionError(f"--max-shard-gb must be > 0 (got {max_shard_bytes / (1 << 30):g})")
     src = Path(megatron_dir)
     if hf_config_dir is not None:
         hf_dir = Path(hf_config_dir)
         cfg_file = hf_dir / "config.json" if hf_dir.is_dir() else hf_dir
         if not cfg_file.is_file():
             raise ConversionError(f"no config.json at {hf_config_dir}: --hf-config takes an HF directory or config.json")
-        hf_config = json.loads(cfg_file.read_text())
+        hf_config = read_config_json(cfg_file)
         try:
             cfg, src_head = model_config_from_hf(hf_config)
         except UnsupportedModelError as e:
@@ -456,9 +472,9 @@ def _run(fn, argv) -> int:
     return 0
 
 
-def hf_to_megatron_main(argv: Optional[Sequence[str]] = None) -> int:
+def hf_to_megatron_main(argv: Optional[Sequence[str]] = None, prog: str = "convert_hf_to_megatron.py") -> int:
     p = argparse.ArgumentParser(
-        prog="convert_hf_to_megatron",
+        prog=prog,
         description="HF directory (Llama/Mistral/Qwen2, causal LM or sequence classifier) -> Megatron torch_dist "
         "checkpoint that loads at any TP/PP.",
     )
@@ -493,9 +509,9 @@ def hf_to_megatron_main(argv: Optional[Sequence[str]] = None) -> int:
     return _run(go, argv)
 
 
-def megatron_to_hf_main(argv: Optional[Sequence[str]] = None) -> int:
+def megatron_to_hf_main(argv: Optional[Sequence[str]] = None, prog: str = "convert_megatron_to_hf.py") -> int:
     p = argparse.ArgumentParser(
-        prog="convert_megatron_to_hf",
+        prog=prog,
         description="Megatron torch_dist checkpoint (with megatron_rlhf_meta.json) -> HF directory with sharded "
         "safetensors, config.json and tokenizer files.",
     )
@@ -537,7 +553,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     commands = {"hf-to-megatron": hf_to_megatron_main, "megatron-to-hf": megatron_to_hf_main}
     if not argv or argv[0] not in commands:
-        print(f"usage: convert {{{'|'.join(commands)}}} ...", file=sys.stderr)
-        return 2
-    return commands[argv[0]](argv[1:])
+        print(f"usage: megatron-rlhf convert {{{'|'.join(commands)}}} ... (--help after one shows its arguments)",
+              file=sys.stderr)
+        return 0 if argv[:1] in (["-h"], ["--help"]) else 2
+    return commands[argv[0]](argv[1:], prog=f"megatron-rlhf convert {argv[0]}")
 

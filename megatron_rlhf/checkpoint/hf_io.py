@@ -21,6 +21,7 @@ from typing import Dict, Iterator, List, Optional, Sequence, Tuple
 
 import torch
 
+from megatron_rlhf.checkpoint.out_dir import check_output_dir, sweep_stale_tmp, tmp_prefix
 from megatron_rlhf.models import hf_mapping as hm
 from megatron_rlhf.models.hf_mapping import ConversionError
 from megatron_rlhf.models.spec import ModelConfig, UnsupportedModelError, model_config_from_hf
@@ -54,22 +55,19 @@ def dtype_name(dtype: torch.dtype) -> str:
     return str(dtype).replace("torch.", "")
 
 
-def check_output_dir(out: Path, overwrite: bool) -> None:
-    if out.exists() and not overwrite:
-        raise ConversionError(f"output directory {out} already exists: pass --overwrite or choose another --out")
-
-
 @contextlib.contextmanager
 def atomic_output_dir(out: Path, overwrite: bool) -> Iterator[Path]:
     """Yield a temp dir next to `out`; on success it becomes `out` (replacing it if `overwrite`).
 
     A failed conversion leaves nothing (the temp dir is removed); a killed one leaves only a hidden
-    `.<name>.tmp-*` directory, so `out` never exists half-written.
+    `.<name>.tmp-<pid>@<host>-*` directory, so `out` never exists half-written; the next conversion
+    into `out` removes it (out_dir.sweep_stale_tmp).
     """
     out = Path(out).absolute()
     check_output_dir(out, overwrite)
     out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
+    sweep_stale_tmp(out)
+    tmp = Path(tempfile.mkdtemp(prefix=tmp_prefix(out), dir=out.parent))
     umask = os.umask(0)
     os.umask(umask)
     os.chmod(tmp, 0o777 & ~umask)  # mkdtemp makes it private; the result should be an ordinary directory
@@ -107,10 +105,10 @@ class HFCheckpoint:
 
     def __init__(self, hf_dir: str | os.PathLike):
         self.dir = Path(hf_dir)
-        cfg_path = self.dir / "config.json"
-        if not cfg_path.is_file():
-            raise ConversionError(f"no config.json in {self.dir}: --hf-dir must be a Hugging Face model directory")
-        self.config = json.loads(cfg_path.read_text())
+        if not self.dir.is_dir():
+            what = "is a file, not a directory" if self.dir.exists() else "does not exist"
+            raise ConversionError(f"--hf-dir {self.dir} {what}: pass a Hugging Face model directory")
+        self.config = read_config_json(self.dir / "config.json")
         self._file_of: Dict[str, Path] = {}
         self._meta: Dict[str, Tuple[Tuple[int, ...], torch.dtype]] = {}
         self._bin_cache: Tuple[Optional[Path], Optional[dict]] = (None, None)
@@ -139,14 +137,14 @@ class HFCheckpoint:
             (self._scan_safetensors if f.suffix == ".safetensors" else self._scan_bin)(f)
 
     def _scan_safetensors(self, path: Path) -> None:
-        from safetensors import safe_open
-
-        with safe_open(str(path), framework="pt") as f:  # header only: no tensor data is read
+        with _open_safetensors(path) as f:  # header only: no tensor data is read
             for name in f.keys():
                 sl = f.get_slice(name)
                 dtype = _ST_DTYPES_REV.get(sl.get_dtype())
                 if dtype is None:
-                    raise ConversionError(f"tensor {name} in {path.name} has unsupported dtype {sl.get_dtype()}")
+                    kind = " (float8: a quantized checkpoint)" if sl.get_dtype().startswith("F8") else ""
+                    raise ConversionError(f"tensor {name} in {path.name} has unsupported dtype {sl.get_dtype()}{kind}: "
+                                          "only float32/bfloat16/float16 (float64 with --dtype) weights convert")
                 self._add(name, path, tuple(sl.get_shape()), dtype)
 
     def _scan_bin(self, path: Path) -> None:
@@ -169,11 +167,17 @@ class HFCheckpoint:
                 except RuntimeError:  # legacy (non-zip) format cannot be memory-mapped
                     sd = torch.load(path, map_location="cpu", weights_only=True)
             except pickle.UnpicklingError as e:
-                first = str(e).strip().splitlines()[0]
+                from megatron_rlhf.checkpoint.hf_checks import disallowed_pickle_globals
+
                 raise ConversionError(
-                    f"{path} does not load with torch.load(weights_only=True) ({first[:120]}): it holds more than "
-                    "tensors; it is refused rather than executed - convert it to safetensors with code you trust"
+                    f"{path} does not load with torch.load(weights_only=True): it needs "
+                    f"{disallowed_pickle_globals(path, str(e))}, which is not a tensor type; it is refused rather "
+                    "than executed - convert it to safetensors with code you trust"
                 ) from None
+            except (RuntimeError, EOFError, OSError) as e:
+                first = (str(e).strip().splitlines() or [type(e).__name__])[0].split(". ")[0]
+                raise ConversionError(f"{path} is not a readable torch file ({first[:120]}): it is truncated or "
+                                      "damaged; download or copy it again") from None
             self._bin_cache = (path, sd)
         return self._bin_cache[1]  # type: ignore[return-value]
 
@@ -192,11 +196,17 @@ class HFCheckpoint:
             raise ConversionError(f"missing tensor {name} in {self.dir}")
         path = self._file_of[name]
         if path.suffix == ".safetensors":
-            from safetensors import safe_open
-
-            with safe_open(str(path), framework="pt") as f:
+            with _open_safetensors(path) as f:
                 return f.get_tensor(name)
         return self._load_bin(path)[name].clone()
+
+    def get_rows(self, name: str, start: int, stop: int) -> torch.Tensor:
+        """Rows [start, stop) of one tensor, reading only those rows from safetensors."""
+        path = self._file_of[name]
+        if path.suffix == ".safetensors":
+            with _open_safetensors(path) as f:
+                return f.get_slice(name)[start:stop]
+        return self._load_bin(path)[name][start:stop]
 
     def model_config(self) -> Tuple[ModelConfig, str]:
         try:
@@ -206,6 +216,34 @@ class HFCheckpoint:
         except KeyError as e:
             raise ConversionError(f"config.json in {self.dir} lacks {e.args[0]!r}") from None
         return cfg, hm.normalize_head(head)
+
+
+def read_config_json(path: Path) -> dict:
+    """An HF config.json as a dict; ConversionError for a missing, invalid or non-object file."""
+    path = Path(path)
+    if not path.is_file():
+        raise ConversionError(f"no config.json in {path.parent}: --hf-dir must be a Hugging Face model directory")
+    try:
+        config = json.loads(path.read_text())
+    except (ValueError, UnicodeDecodeError) as e:
+        raise ConversionError(f"{path} is not valid JSON ({e}): fix or replace it") from None
+    if not isinstance(config, dict):
+        raise ConversionError(f"{path} holds a JSON {type(config).__name__}, not an object of model settings: "
+                              "fix or replace it")
+    return config
+
+
+@contextlib.contextmanager
+def _open_safetensors(path: Path):
+    """safe_open that turns a truncated or garbage file into one ConversionError line."""
+    from safetensors import SafetensorError, safe_open
+
+    try:
+        with safe_open(str(path), framework="pt") as f:
+            yield f
+    except SafetensorError as e:
+        raise ConversionError(f"{path} is not a readable safetensors file ({e}): it is truncated or damaged; "
+                              "download or copy it again") from None
 
 
 class HFShardWriter:

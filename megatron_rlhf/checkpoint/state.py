@@ -25,13 +25,17 @@ from typing import Any, Dict, List, Optional
 
 import torch
 
+from megatron_rlhf.checkpoint.damage import (  # noqa: F401 - CheckpointError is imported from here
+    CheckpointError,
+    _load_failures,
+    check_metadata,
+    load_rng_collectively,
+    unusable_checkpoint_message,
+)
+
 LATEST = "latest"
 _PREFIX = "step_"
 _TMP_PREFIX = ".tmp-"
-
-
-class CheckpointError(RuntimeError):
-    """A checkpoint that cannot be used; the message names the path and what to do."""
 
 
 def _unwrap(chunk):
@@ -155,7 +159,7 @@ def _prune(root: Path, keep_last: int) -> None:
         shutil.rmtree(old, ignore_errors=True)
 
 
-def latest_checkpoint(root: str | os.PathLike) -> Optional[Path]:
+def latest_checkpoint(root: str | os.PathLike, resume: bool = True) -> Optional[Path]:
     """The directory `latest` names, None when there is no checkpoint yet; raises if it is broken."""
     root = Path(root)
     pointer = root / LATEST
@@ -171,6 +175,7 @@ def latest_checkpoint(root: str | os.PathLike) -> Optional[Path]:
         raise CheckpointError(
             f"checkpoint {path} is incomplete (no metadata.json): point {pointer} at an older step_* directory"
         )
+    check_metadata(path, resume)
     return path
 
 
@@ -192,18 +197,16 @@ def load_checkpoint(
     template = _sharded_state(models, optimizers, schedulers, {}, is_loading=True)
     try:
         loaded = dist_checkpointing.load(template, str(path))
-    except Exception as e:  # noqa: BLE001 - re-raised with the path and a remedy
-        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-        raise CheckpointError(f"cannot load checkpoint {path}: {first}") from e
+    except _load_failures() as e:  # re-raised with the path and a remedy
+        raise CheckpointError(unusable_checkpoint_message(path, e)) from e
     for name, chunks in models.items():
         _load_into(chunks, loaded[f"model.{name}"], f"{name}.")
         if name in optimizers:
             optimizers[name].load_state_dict(loaded[f"optimizer.{name}"])
     for name, sched in schedulers.items():
         sched.load_state_dict(loaded[f"scheduler.{name}"])
-    rng_file = path / "rng" / f"rank{_rank():05d}.pt"
-    if load_rng and rng_file.exists():
-        rng = torch.load(rng_file, weights_only=True)
+    rng = _load_rng(path) if load_rng else None
+    if rng is not None:
         torch.set_rng_state(rng["torch"])
         from megatron.core.tensor_parallel import get_cuda_rng_tracker
 
@@ -213,12 +216,20 @@ def load_checkpoint(
     return loaded["extra"]
 
 
-def resolve_checkpoint_dir(path: str | os.PathLike) -> Path:
-    """A checkpoint root (follows `latest`) or one step directory -> the step directory."""
+def _load_rng(path: Path) -> Optional[dict]:
+    """This rank's RNG states (None if the checkpoint has none); a damaged file fails on every rank."""
+    return load_rng_collectively(path / "rng" / f"rank{_rank():05d}.pt", path)
+
+
+def resolve_checkpoint_dir(path: str | os.PathLike, resume: bool = False) -> Path:
+    """A checkpoint root (follows `latest`) or one step directory -> the step directory.
+
+    resume: whether a damage message should suggest resuming from an older step (else model.load)."""
     path = Path(path)
     if (path / LATEST).exists():
-        return latest_checkpoint(path)
+        return latest_checkpoint(path, resume)
     if (path / "metadata.json").exists():
+        check_metadata(path, resume)
         return path
     raise CheckpointError(
         f"{path} is neither a checkpoint root (with a '{LATEST}' file) nor a checkpoint directory "
@@ -246,7 +257,10 @@ def load_model_weights(path: str | os.PathLike, chunks, source_name: str, head: 
 
     step_dir = resolve_checkpoint_dir(path)
     if (step_dir / CONVERTED_META).exists():
-        meta = json.loads((step_dir / CONVERTED_META).read_text())
+        try:
+            meta = json.loads((step_dir / CONVERTED_META).read_text())
+        except ValueError as e:
+            raise CheckpointError(f"model.load: {step_dir / CONVERTED_META} is not valid JSON ({e})") from None
         prefix, source_head = meta.get("key_prefix", ""), meta.get("head", "lm")
     else:
         prefix, source_head = f"{source_name}.", HEAD_OF.get(source_name, "lm")
@@ -254,7 +268,6 @@ def load_model_weights(path: str | os.PathLike, chunks, source_name: str, head: 
     template = _model_state(chunks, prefix, exclude="output_layer" if skip_head else None)
     try:
         loaded = dist_checkpointing.load({"m": template}, str(step_dir))
-    except Exception as e:  # noqa: BLE001
-        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-        raise CheckpointError(f"cannot load model '{source_name}' from {step_dir}: {first}") from e
+    except _load_failures() as e:
+        raise CheckpointError(f"model.load: {unusable_checkpoint_message(step_dir, e, resume=False)}") from e
     _load_into(chunks, loaded["m"], prefix, strict=not skip_head)

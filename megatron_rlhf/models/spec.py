@@ -100,11 +100,46 @@ def _rope_settings(hf: Mapping[str, Any]) -> tuple[float, Optional[dict]]:
     raise UnsupportedModelError(f"rope scaling type {kind!r} is not supported: use default, linear or llama3")
 
 
+def _sliding_window(hf: Mapping[str, Any], family: str) -> Optional[int]:
+    """The one attention window every layer uses (None: full attention), or UnsupportedModelError.
+
+    Qwen2 windows only the layers its `layer_types` mark "sliding_attention" (by default the layers
+    i >= max_window_layers, and only with use_sliding_window=true); megatron-core 0.16.1 takes one
+    window for all layers, so a mix of windowed and full layers is refused rather than approximated.
+    """
+    window = hf.get("sliding_window")
+    if family != "qwen2" or window is None:
+        return window
+    if not hf.get("use_sliding_window", False):
+        return None
+    n = hf["num_hidden_layers"]
+    types = hf.get("layer_types")
+    source = "layer_types"
+    if not types:
+        first = hf.get("max_window_layers", 28)  # transformers' default
+        types = ["sliding_attention" if i >= first else "full_attention" for i in range(n)]
+        source = f"max_window_layers={first}"
+    windowed = sum(t == "sliding_attention" for t in types)
+    if windowed == 0:
+        return None
+    if windowed == len(types):
+        return window
+    raise UnsupportedModelError(
+        f"use_sliding_window=true windows {windowed} of {len(types)} layers ({source}): per-layer windows are "
+        "not supported (megatron-core 0.16.1 applies one window to every layer); use a config whose "
+        "max_window_layers is 0 or >= num_hidden_layers"
+    )
+
+
 def model_config_from_hf(hf_config: Any) -> tuple[ModelConfig, str]:
     """Derive a `ModelConfig` from an HF config (dict from config.json or a PretrainedConfig).
 
     Returns (config, head) where head is "lm" for causal LMs and "score" for sequence classifiers.
     """
+    if not isinstance(hf_config, Mapping) and not hasattr(hf_config, "to_dict"):
+        raise UnsupportedModelError(
+            f"an HF config must be a JSON object of model settings, not a {type(hf_config).__name__}"
+        )
     hf = hf_config if isinstance(hf_config, Mapping) else hf_config.to_dict()
     archs = hf.get("architectures") or []
     if archs:
@@ -129,9 +164,7 @@ def model_config_from_hf(hf_config: Any) -> tuple[ModelConfig, str]:
     heads = hf["num_attention_heads"]
     # Qwen2 always has QKV bias; Llama/Mistral only when attention_bias is set.
     qkv_bias = True if family == "qwen2" else bool(hf.get("attention_bias", False))
-    sliding = hf.get("sliding_window")
-    if family == "qwen2" and not hf.get("use_sliding_window", False):
-        sliding = None
+    sliding = _sliding_window(hf, family)
     dtype = str(hf.get("torch_dtype") or hf.get("dtype") or "float32").replace("torch.", "")
     cfg = ModelConfig(
         num_layers=hf["num_hidden_layers"],

@@ -14,7 +14,7 @@ from typing import Mapping, Optional
 
 import torch
 
-from megatron_rlhf.parallel import cpu
+from megatron_rlhf.parallel import cpu, lifetime
 from megatron_rlhf.parallel.layout import ParallelConfig
 
 
@@ -55,6 +55,8 @@ def world_size_from_env() -> int:
 def init_process_group(timeout_s: int = 600) -> DistEnv:
     """Start torch.distributed (once); nccl with CUDA, gloo otherwise."""
     cpu.enable()
+    lifetime.follow_launcher()  # a dying launcher means: checkpoint and exit
+    lifetime.guard_checkpoint_manager()  # no checkpoint helper outlives this rank
     env = dist_env()
     if torch.distributed.is_initialized():
         return env

@@ -25,6 +25,7 @@ from megatron_rlhf.models.build import build_model
 from megatron_rlhf.parallel import init
 from megatron_rlhf.parallel.layout import validate_layout
 from megatron_rlhf.trainer.optim import build_optimizer, wrap_ddp
+from megatron_rlhf.trainer.preflight import check_run_dirs
 
 
 @dataclass
@@ -53,6 +54,7 @@ class Trainable:
 def start_run(cfg, check_batch: Callable[[int], Any]) -> RunContext:
     """Validate the layout and the batch split (`check_batch(dp_size)`), then initialise
     torch.distributed + Megatron's groups and load the tokenizer. Bad input fails before any work."""
+    check_run_dirs(cfg)  # an unwritable run directory fails now, not at the first checkpoint
     model_cfg = cfg.model.to_model_config()
     world = init.world_size_from_env()
     validate_layout(

@@ -230,10 +230,15 @@ def test_existing_output_needs_overwrite(models, tmp_path, capsys):
     line = _error(capsys, conv.hf_to_megatron_main, ["--hf-dir", str(models["qwen2"]), "--out", str(out)])
     assert line == f"error: output directory {out} already exists: pass --overwrite or choose another --out"
     assert (out / "keep").is_file()
-    line = _error(capsys, conv.megatron_to_hf_main, ["--megatron-dir", str(out), "--out", str(out)])
+    line = _error(capsys, conv.megatron_to_hf_main, ["--megatron-dir", str(models["qwen2"]), "--out", str(out)])
     assert "already exists" in line
-    assert conv.hf_to_megatron_main(["--hf-dir", str(models["qwen2"]), "--out", str(out), "--overwrite", "--quiet"]) == 0
-    assert not (out / "keep").exists() and (out / conv.META_FILE).is_file()
+    # --overwrite replaces only a converter's output (tests/unit/test_convert_outputs.py has the rest).
+    argv = ["--hf-dir", str(models["qwen2"]), "--out", str(out), "--overwrite", "--quiet"]
+    assert "does not look like a converter output" in _error(capsys, conv.hf_to_megatron_main, argv)
+    (out / "keep").unlink()
+    (out / conv.META_FILE).write_text("{}")
+    assert conv.hf_to_megatron_main(argv) == 0
+    assert (out / conv.META_FILE).read_text() != "{}"
 
 
 def test_sequence_classifier_has_no_lm_head(models, tmp_path, capsys):
@@ -242,8 +247,9 @@ def test_sequence_classifier_has_no_lm_head(models, tmp_path, capsys):
 
 
 def test_not_a_converted_checkpoint(tmp_path, capsys):
-    line = _error(capsys, conv.megatron_to_hf_main, ["--megatron-dir", str(tmp_path), "--out", str(tmp_path / "o")])
-    assert f"no {conv.META_FILE} in {tmp_path}" in line
+    (tmp_path / "mg").mkdir()
+    line = _error(capsys, conv.megatron_to_hf_main, ["--megatron-dir", str(tmp_path / "mg"), "--out", str(tmp_path / "o")])
+    assert f"no {conv.META_FILE} in {tmp_path / 'mg'}" in line
 
 
 def test_failure_midway_leaves_nothing(models, tmp_path, monkeypatch):

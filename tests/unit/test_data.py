@@ -130,6 +130,22 @@ def test_nothing_usable_is_an_error(tmp_path, tok):
         D.load_examples("sft", cfg(max_seq_len=4, overlong="drop"), tok, path, log=None)
 
 
+@pytest.mark.parametrize("text", ["", "\n\n   \n", "\n"])
+@pytest.mark.parametrize("kind", ["sft", "preference", "prompt"])
+def test_empty_or_blank_file_is_one_data_error(tmp_path, tok, text, kind):
+    path = tmp_path / "d.jsonl"
+    path.write_text(text)
+    with pytest.raises(D.DataError, match=r"no rows \(the file is empty or holds only blank lines\)"):
+        D.load_examples(kind, cfg(), tok, str(path), log=None)
+
+
+def test_an_empty_file_among_others_is_skipped(tmp_path, tok):
+    write_lines(tmp_path / "a.jsonl", [{"prompt": "sort 1 2 =", "response": "1 2"}])
+    (tmp_path / "b.jsonl").write_text("")
+    ds, report = D.load_examples("sft", cfg(), tok, str(tmp_path / "*.jsonl"), log=None)
+    assert len(ds) == 1 and report.total == 1
+
+
 # ---------------------------------------------------------------------------------------------
 # Chat rows
 # ---------------------------------------------------------------------------------------------

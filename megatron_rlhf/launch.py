@@ -1,0 +1,129 @@
+"""`megatron-rlhf launch`: N ranks of a megatron-rlhf command on one node, as `srun` starts them.
+
+    megatron-rlhf launch --nproc-per-node 2 sft examples/tiny/sft.yaml train.train_steps=200
+
+Why not torchrun: torchrun starts each rank in a session of its own, so a signal to the job's
+process group (Slurm's preemption SIGUSR1, a terminal's SIGTERM) reaches only torchrun, which dies
+of SIGUSR1 (exit 138) and leaves the ranks running; on any failure it adds a traceback of its own.
+Here the ranks share the launcher's process group, so a group signal reaches every rank directly;
+a signal sent to the launcher alone is forwarded to every rank. The ranks then agree at the end of
+the step, save a checkpoint and exit 0, and so does the launcher.
+
+When a rank fails, the others get `--grace` seconds to report and exit, then are killed; the
+launcher exits with the first failing rank's code (128 + signal for a signal) and prints nothing
+itself (rank 0 prints the error). The launcher is a child subreaper: helper processes a killed rank
+leaves behind become its children and are killed when the job ends. If the launcher itself is
+killed, each rank gets SIGTERM (parallel/lifetime.py) and saves a checkpoint.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from typing import List, Optional, Sequence
+
+from megatron_rlhf.parallel import lifetime
+
+FORWARDED = (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT, signal.SIGHUP)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _parse(argv: Sequence[str]) -> argparse.Namespace:
+    p = argparse.ArgumentParser(
+        prog="megatron-rlhf launch",
+        description="Run N ranks of a megatron-rlhf command on this node (signals reach every rank).",
+    )
+    p.add_argument("--nproc-per-node", "--nproc_per_node", type=int, default=1, help="ranks to start")
+    p.add_argument("--master-addr", default="127.0.0.1", help="rendezvous address (this node)")
+    p.add_argument("--master-port", type=int, default=None, help="rendezvous port (default: a free one)")
+    p.add_argument("--grace", type=float, default=10.0, help="seconds the other ranks get after one fails")
+    p.add_argument("command", nargs=argparse.REMAINDER, help="megatron-rlhf command and its arguments")
+    args = p.parse_args(list(argv))
+    if args.nproc_per_node < 1:
+        p.error(f"--nproc-per-node must be >= 1 (got {args.nproc_per_node})")
+    if not args.command:
+        p.error("give a megatron-rlhf command, e.g. sft CONFIG.yaml")
+    return args
+
+
+def _exit_code(rc: int) -> int:
+    return 128 - rc if rc < 0 else rc  # Popen reports death by signal N as -N
+
+
+def _children() -> List:
+    try:
+        import psutil
+
+        return psutil.Process().children(recursive=True)
+    except Exception:  # noqa: BLE001 - without psutil only the ranks themselves are known
+        return []
+
+
+def _kill_leftovers() -> None:
+    """SIGKILL every process still below us (orphaned helpers re-parented to us), then reap them."""
+    for child in _children():
+        try:
+            child.kill()
+        except Exception:  # noqa: BLE001 - already gone
+            pass
+    while True:
+        try:
+            pid, _ = os.waitpid(-1, os.WNOHANG)
+        except ChildProcessError:
+            return
+        if pid == 0:
+            time.sleep(0.05)
+            if not _children():
+                return
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    args = _parse(sys.argv[1:] if argv is None else argv)
+    lifetime.prctl(lifetime.PR_SET_CHILD_SUBREAPER, 1)
+    n = args.nproc_per_node
+    base = dict(os.environ, MASTER_ADDR=args.master_addr, MASTER_PORT=str(args.master_port or _free_port()),
+                WORLD_SIZE=str(n), LOCAL_WORLD_SIZE=str(n), **{lifetime.LAUNCHER_ENV: str(os.getpid())})
+    cmd = [sys.executable, "-m", "megatron_rlhf.cli", *args.command]
+    ranks: List[subprocess.Popen] = []
+
+    def forward(signum, _frame):
+        for p in ranks:
+            if p.poll() is None:
+                try:
+                    p.send_signal(signum)
+                except ProcessLookupError:
+                    pass
+
+    for sig in FORWARDED:
+        signal.signal(sig, forward)
+    for r in range(n):
+        ranks.append(subprocess.Popen(cmd, env=dict(base, RANK=str(r), LOCAL_RANK=str(r))))
+    failed_at, code = None, 0
+    while any(p.poll() is None for p in ranks):
+        for p in ranks:
+            rc = p.poll()
+            if rc not in (None, 0) and failed_at is None:
+                failed_at, code = time.monotonic(), _exit_code(rc)
+        if failed_at is not None and time.monotonic() - failed_at > args.grace:
+            for p in ranks:
+                if p.poll() is None:
+                    p.kill()
+        time.sleep(0.1)
+    if code == 0:
+        code = next((_exit_code(p.returncode) for p in ranks if p.returncode != 0), 0)
+    _kill_leftovers()
+    return code
+
+
+if __name__ == "__main__":
+    sys.exit(main())

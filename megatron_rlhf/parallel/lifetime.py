@@ -1,0 +1,86 @@
+"""Process lifetimes: ranks that outlive their launcher, helpers that outlive their rank.
+
+- A rank started by a launcher (torchrun, `megatron-rlhf launch`) asks the kernel for SIGTERM when
+  the launcher dies (`PR_SET_PDEATHSIG`): a launcher killed by a preemption signal it does not
+  handle (torchrun and SIGUSR1 exit 138) then leaves ranks that save a checkpoint and exit 0,
+  instead of orphans training on until the end.
+- Megatron's `dist_checkpointing` keeps a `spawn` multiprocessing manager per rank (the write-results
+  queue). Ours ignores the preemption signals (a signal to the whole process group, as Slurm sends
+  it, must not kill it before the checkpoint is written) and gets SIGKILL when its rank dies, so a
+  `kill -9` of a rank leaves no manager behind; its resource tracker then sees EOF and exits too.
+Linux only (prctl); elsewhere these are no-ops.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import signal
+import sys
+from typing import Optional
+
+PR_SET_PDEATHSIG = 1
+PR_SET_CHILD_SUBREAPER = 36
+LAUNCHER_ENV = "MEGATRON_RLHF_LAUNCHER"  # set by megatron_rlhf.launch to its pid
+_manager = None  # keeps our checkpoint-results manager alive for the life of the rank
+
+
+def prctl(option: int, value: int) -> bool:
+    """prctl(option, value); False where it is unavailable (not Linux) or fails."""
+    if not sys.platform.startswith("linux"):
+        return False
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        return libc.prctl(option, value, 0, 0, 0) == 0
+    except (OSError, AttributeError):
+        return False
+
+
+def die_with_parent(sig: int, parent_pid: Optional[int] = None) -> bool:
+    """Get `sig` when the parent process dies; if it is already gone, get it now."""
+    parent_pid = os.getppid() if parent_pid is None else parent_pid
+    if not prctl(PR_SET_PDEATHSIG, sig):
+        return False
+    if os.getppid() != parent_pid:  # the parent died before prctl took effect
+        os.kill(os.getpid(), sig)
+    return True
+
+
+def launched_by_launcher() -> bool:
+    return LAUNCHER_ENV in os.environ or "TORCHELASTIC_RUN_ID" in os.environ
+
+
+def follow_launcher() -> None:
+    """In a rank: SIGTERM (= save a checkpoint and exit) when the launcher that started us dies."""
+    if launched_by_launcher():
+        die_with_parent(signal.SIGTERM)
+
+
+def _helper_init(parent_pid: int) -> None:
+    """Runs first in our checkpoint manager process (spawned: must be importable, module level)."""
+    for sig in (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT, signal.SIGHUP):
+        signal.signal(sig, signal.SIG_IGN)  # the rank handles these; the helper must survive them
+    die_with_parent(signal.SIGKILL, parent_pid)
+
+
+def guard_checkpoint_manager() -> None:
+    """Make dist_checkpointing create its results-queue manager through `_helper_init` (lazily, as it does)."""
+    from megatron.core.dist_checkpointing.strategies import filesystem_async as fa
+
+    if getattr(fa._get_write_results_queue, "_megatron_rlhf", False):
+        return
+
+    def get_queue():
+        global _manager
+        if fa._results_queue is None:
+            from multiprocessing.managers import SyncManager
+
+            import torch.multiprocessing as mp
+
+            _manager = SyncManager(ctx=mp.get_context("spawn"))
+            _manager.start(initializer=_helper_init, initargs=(os.getpid(),))
+            fa._results_queue = _manager.Queue()
+        return fa._results_queue
+
+    get_queue._megatron_rlhf = True
+    fa._get_write_results_queue = get_queue

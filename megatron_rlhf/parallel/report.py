@@ -1,0 +1,58 @@
+"""One error line per job, not one per rank.
+
+Bad input is usually the same on every rank (the same config, data and checkpoint), so every rank
+fails with the same message; only global rank 0 prints it. A rank that fails alone (or differently)
+must still be heard: once the process group exists, rank 0 posts its message in the job's TCP store
+and any other rank prints its own only when rank 0 has not posted the same one within a few seconds.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+
+_KEY = "megatron_rlhf/error"
+
+
+def _rank() -> int:
+    env = os.environ
+    return int(env.get("RANK", env.get("SLURM_PROCID", "0")))
+
+
+def _store():
+    try:
+        import torch.distributed as dist
+
+        if dist.is_available() and dist.is_initialized():
+            return dist.distributed_c10d._get_default_store()
+    except Exception:  # noqa: BLE001 - no store: fall back to "rank 0 prints"
+        pass
+    return None
+
+
+def should_print_error(message: str, wait_s: float = 3.0) -> bool:
+    """True on the rank that should print `message` (rank 0, or a rank whose failure rank 0 does not share).
+
+    Other ranks wait (at most `wait_s`) before returning, so that a launcher tearing the job down
+    when the first rank exits does not kill rank 0 before it has printed.
+    """
+    store = _store()
+    if _rank() == 0:
+        if store is not None:
+            try:
+                store.set(_KEY, message)
+            except Exception:  # noqa: BLE001 - printing matters more than posting
+                pass
+        return True
+    if store is None:  # before the process group: the error comes from input every rank shares
+        time.sleep(min(wait_s, 2.0))
+        return False
+    deadline = time.monotonic() + wait_s
+    while time.monotonic() < deadline:
+        try:
+            if store.check([_KEY]):
+                return store.get(_KEY).decode() != message
+        except Exception:  # noqa: BLE001 - rank 0 (the store's host) is gone: say it ourselves
+            return True
+        time.sleep(0.1)
+    return True

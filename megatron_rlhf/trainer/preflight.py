@@ -1,0 +1,40 @@
+"""Checks a training stage runs before any slow work (data loading, model building, process groups).
+
+A run directory that cannot be written would otherwise fail at the first checkpoint or metrics
+write, after the data has been tokenised and the model built.
+"""
+
+from __future__ import annotations
+
+import os
+import tempfile
+
+from megatron_rlhf.config import ConfigError
+
+
+def check_writable_dir(path: str, key: str) -> None:
+    """Create `path` if needed and write (then remove) a probe file in it; ConfigError naming `key` if not.
+
+    An actual write is the only reliable test: os.access says yes to root on a read-only mount.
+    """
+    parent = path
+    while parent and not os.path.exists(parent):  # the nearest existing ancestor
+        parent = os.path.dirname(parent.rstrip(os.sep)) or ("." if not os.path.isabs(path) else os.sep)
+    if parent and not os.path.isdir(parent):
+        where = "is a file" if parent == path else f"is inside '{parent}', which is a file"
+        raise ConfigError(f"{key}='{path}' {where}, not a directory: choose another {key}")
+    try:
+        os.makedirs(path, exist_ok=True)
+        with tempfile.NamedTemporaryFile(dir=path, prefix=".write-test-"):
+            pass
+    except OSError as e:
+        why = e.strerror or type(e).__name__
+        raise ConfigError(f"{key}='{path}' is not writable ({why}): choose another {key} "
+                          "or fix its permissions") from None
+
+
+def check_run_dirs(cfg) -> None:
+    """The run directory and the checkpoint directory (when set apart) can be written."""
+    check_writable_dir(cfg.logging.run_dir, "logging.run_dir")
+    if cfg.checkpoint.dir:
+        check_writable_dir(cfg.checkpoint.dir, "checkpoint.dir")

@@ -1,0 +1,143 @@
+"""Preemption whatever the launcher (issue 12): SIGUSR1 to the launcher's process group (as Slurm
+sends it) or to the ranks themselves gives a checkpoint and exit 0 under `megatron-rlhf launch`;
+under torchrun, which dies of a group SIGUSR1, the ranks still checkpoint and exit instead of
+training on as orphans; after a `kill -9` of a rank no helper process of the job stays alive."""
+
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import psutil
+import pytest
+
+from tests.distributed.launch import ROOT, child_env, free_port
+from tests.distributed.test_training import CLI, data, losses, overrides  # noqa: F401 (fixture)
+
+
+class Job:
+    """A launcher started in a session of its own; every descendant it ever had is remembered."""
+
+    def __init__(self, cmd, log):
+        self.log = log
+        env = child_env({"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port())})  # for a world of one
+        self.proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=open(log, "w"),
+                                     stderr=subprocess.STDOUT, start_new_session=True)
+        self.seen = {}
+
+    def watch(self):
+        try:
+            for c in psutil.Process(self.proc.pid).children(recursive=True):
+                self.seen.setdefault(c.pid, c)
+        except psutil.Error:
+            pass
+
+    def wait_for(self, cond, timeout=300):
+        deadline = time.time() + timeout
+        while time.time() < deadline and self.proc.poll() is None:
+            self.watch()
+            if cond():
+                return
+            time.sleep(0.2)
+        pytest.fail(f"condition not met (rc={self.proc.poll()}):\n{self.output()[-3000:]}")
+
+    def ranks(self):
+        return [c for c in psutil.Process(self.proc.pid).children() if "megatron_rlhf" in " ".join(c.cmdline())]
+
+    def finish(self, timeout=240):
+        """Wait for the launcher and then for every remembered descendant, without killing any."""
+        try:
+            rc = self.proc.wait(timeout=timeout)
+            deadline = time.time() + 30
+            alive = [c for c in self.seen.values() if _alive(c)]
+            while alive and time.time() < deadline:
+                time.sleep(0.5)
+                alive = [c for c in alive if _alive(c)]
+            return rc, [_cmd(c) for c in alive]
+        finally:
+            if self.proc.poll() is None:
+                self.proc.kill()
+            for c in self.seen.values():
+                try:
+                    c.kill()
+                except psutil.Error:
+                    pass
+
+    def output(self):
+        return open(self.log).read()
+
+
+def _alive(p) -> bool:
+    try:
+        return p.is_running() and p.status() != psutil.STATUS_ZOMBIE
+    except psutil.Error:
+        return False
+
+
+def _cmd(p) -> str:
+    try:
+        return " ".join(p.cmdline())[:120]
+    except psutil.Error:
+        return str(p.pid)
+
+
+def _launch(data, run, log, launcher="launch", **extra):
+    args = overrides(data, run, **{"train.train_steps": 100000, "checkpoint.save_interval": 2, **extra})
+    if launcher == "launch":
+        cmd = [sys.executable, str(CLI), "launch", "--nproc-per-node", "2", "sft", *args]
+    elif launcher == "none":  # one task started directly, as srun starts each rank
+        cmd = [sys.executable, str(CLI), "sft", *args]
+    else:
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", "--master_addr=127.0.0.1",
+               f"--master_port={free_port()}", str(CLI), "sft", *args]
+    return Job(cmd, log)
+
+
+def _steps(run):
+    return lambda: (run / "metrics.jsonl").exists() and len(losses(run)) >= 3
+
+
+@pytest.mark.parametrize("target", ["process_group", "ranks"])
+def test_sigusr1_under_launch_saves_and_exits_zero(data, tmp_path, target):  # noqa: F811
+    run = tmp_path / "run"
+    job = _launch(data, run, tmp_path / "log")
+    job.wait_for(_steps(run))
+    if target == "process_group":
+        os.killpg(job.proc.pid, signal.SIGUSR1)  # Slurm: every process of the step
+    else:
+        for rank in job.ranks():
+            rank.send_signal(signal.SIGUSR1)
+    rc, alive = job.finish()
+    out = job.output()
+    assert rc == 0 and not alive, (rc, alive, out[-3000:])
+    stopped = max(losses(run))
+    assert (run / "checkpoints" / "latest").read_text().strip() == f"step_{stopped:08d}"
+    assert out.count("stop requested: saved checkpoint") == 1, out[-3000:]
+
+
+def test_torchrun_killed_by_group_sigusr1_leaves_ranks_that_checkpoint_and_exit(data, tmp_path):  # noqa: F811
+    run = tmp_path / "run"
+    job = _launch(data, run, tmp_path / "log", launcher="torchrun")
+    job.wait_for(_steps(run))
+    os.killpg(job.proc.pid, signal.SIGUSR1)
+    rc, alive = job.finish()
+    assert rc == -signal.SIGUSR1  # torchrun does not handle SIGUSR1
+    assert not alive, alive  # no rank trains on as an orphan
+    stopped = max(losses(run))
+    assert (run / "checkpoints" / "latest").read_text().strip() == f"step_{stopped:08d}"
+    assert "stop requested: saved checkpoint" in job.output()
+
+
+@pytest.mark.parametrize("launcher", ["none", "launch", "torchrun"])
+def test_kill_9_of_a_rank_leaves_no_helper_behind(data, tmp_path, launcher):  # noqa: F811
+    """The rank's dist_checkpointing manager and resource tracker die with it, whoever started it
+    ("none": nothing but the kernel can clean up after a rank started directly)."""
+    run = tmp_path / "run"
+    job = _launch(data, run, tmp_path / "log", launcher=launcher)
+    job.wait_for(lambda: (run / "checkpoints" / "latest").exists())  # each rank now has its checkpoint manager
+    job.wait_for(lambda: any("multiprocessing" in _cmd(c) for c in job.seen.values() if _alive(c)))
+    (job.proc if launcher == "none" else job.ranks()[-1]).kill()
+    rc, alive = job.finish()
+    assert rc != 0
+    assert not alive, alive
