@@ -4,12 +4,21 @@ Megatron-Core 0.16.1 has no CPU path: it names CUDA in many places. This module 
 place in the project that knows the difference between CPU and GPU. `enable()` is a no-op when
 CUDA is available; otherwise it neutralises exactly these CUDA assumptions (each was hit on CPU):
 
-1. Hard-coded ``device="cuda"``, ``torch.cuda.current_device()`` and ``.cuda()`` (RoPE ``inv_freq``,
-   attention's global memory buffer, causal masks, pipeline token counters, the optimizer's loss
-   scale): a global ``TorchFunctionMode`` rewrites CUDA device arguments to CPU, ``Tensor.cuda``
-   becomes a no-op, and ``torch.cuda.current_device()`` returns ``"cpu"``. The same mode makes
-   ``Tensor.type()`` report ``torch.cuda.*Tensor`` names, because the (distributed) optimizers
-   reject parameters whose type string is not a CUDA one.
+1. CUDA named in megatron code: ``torch.cuda.current_device()`` returns ``"cpu"`` and
+   ``set_device`` / ``device_count`` are harmless. The remaining CUDA literals sit in a fixed list
+   of megatron functions (`CUDA_LITERAL_SITES`): ``device="cuda"`` (causal masks, pipeline token
+   counters, grad-norm buffers, optimizer loss scale / grad scalers), ``.cuda()`` (the embedding
+   all-reduce of tied weights), and ``'torch.cuda.FloatTensor'``-style names compared with
+   ``Tensor.type()`` (the optimizers). Each function's code is rewritten once, at `enable()`, to
+   name the CPU instead (string constants / attribute names in its code object), so they cost
+   nothing per call and nothing else in the process is touched: no global ``TorchFunctionMode``,
+   whose Python hook cost ~10 us on every torch call of the process (most of a small model's
+   decoding time). The list is what a ``TorchFunctionMode`` that logged every CUDA device, ``.cuda()``
+   and ``.type()`` it had to rewrite found over the tests' paths (build at TP/PP/VPP, the three
+   schedules, Adam incl. the distributed optimizer in fp32 and bf16, fp16 grad scalers, clipping,
+   dist_checkpointing save/load, KV-cache decoding, ``resharding.swap_model_weights``), plus the
+   sliding-window mask next to the causal one. A megatron path outside it fails loudly with
+   "Torch not compiled with CUDA enabled" at the megatron line to add here.
 2. The RNG tracker: ``torch.cuda.{get,set}_rng_state/manual_seed`` and Megatron's
    ``_get_cuda_rng_state/_set_cuda_rng_state`` use the CPU generator, so
    ``model_parallel_cuda_manual_seed`` (still required before building a model) and
@@ -30,11 +39,12 @@ because each patch targets a specific release's internals.
 from __future__ import annotations
 
 import contextlib
+import importlib
 import importlib.metadata
-from typing import Any
+import types
+from typing import Any, Tuple
 
 import torch
-from torch.overrides import TorchFunctionMode
 
 SUPPORTED_MEGATRON_CORE = "0.16.1"
 
@@ -45,30 +55,72 @@ def cuda_available() -> bool:
     return torch.cuda.is_available()
 
 
-def _is_cuda_device(device: Any) -> bool:
-    if isinstance(device, torch.device):
-        return device.type == "cuda"
-    if isinstance(device, str):
-        return device.startswith("cuda")
-    return isinstance(device, int) and not isinstance(device, bool)
+# Megatron functions whose code names CUDA, as (module, qualified name). Found by logging, with a
+# stack, every call where a global CUDA->CPU TorchFunctionMode had to change something (module
+# docstring, item 1); each entry is rewritten by `_point_at_cpu`.
+CUDA_LITERAL_SITES = (
+    # device="cuda"
+    ("megatron.core.transformer.utils", "get_default_causal_mask"),  # every forward with a causal mask
+    ("megatron.core.transformer.utils", "get_sliding_window_causal_mask"),
+    ("megatron.core.pipeline_parallel.schedules", "forward_backward_no_pipelining"),  # token counter
+    ("megatron.core.pipeline_parallel.schedules", "forward_backward_pipelining_with_interleaving"),
+    ("megatron.core.pipeline_parallel.schedules", "forward_backward_pipelining_without_interleaving"),
+    ("megatron.core.optimizer.clip_grads", "get_grad_norm_fp32"),
+    ("megatron.core.utils", "local_multi_tensor_l2_norm"),
+    ("megatron.core.optimizer.optimizer", "MixedPrecisionOptimizer.__init__"),
+    ("megatron.core.optimizer.optimizer", "FP32Optimizer.__init__"),
+    ("megatron.core.optimizer.grad_scaler", "MegatronGradScaler.__init__"),
+    ("megatron.core.optimizer.grad_scaler", "DynamicGradScaler.__init__"),
+    # 'torch.cuda.{Float,Half,BFloat16}Tensor' compared with param.type()
+    ("megatron.core.optimizer.optimizer", "Float16OptimizerWithFloat16Params.__init__"),
+    ("megatron.core.optimizer.distrib_optimizer", "DistributedOptimizer._build_model_and_main_param_groups"),
+    ("megatron.core.optimizer.distrib_optimizer", "DistributedOptimizer.__init__"),
+    # weight.data.cuda() before the all-reduce of tied embeddings (pp > 1)
+    ("megatron.core.models.common.language_module.language_module", "LanguageModule.setup_embeddings_and_output_layer"),
+)
+
+_CPU_CONSTANTS = {
+    "cuda": "cpu",
+    "torch.cuda.FloatTensor": "torch.FloatTensor",
+    "torch.cuda.HalfTensor": "torch.HalfTensor",
+    "torch.cuda.BFloat16Tensor": "torch.BFloat16Tensor",
+}
+_CPU_NAMES = {"cuda": "cpu"}  # attribute names: tensor.cuda() -> tensor.cpu()
 
 
-class _CudaToCpuMode(TorchFunctionMode):
-    """Rewrites every ``device=`` naming CUDA to CPU, and makes ``Tensor.cuda`` return ``self``."""
+def _rewrite_code(code: types.CodeType) -> Tuple[types.CodeType, int]:
+    """`code` with the CUDA string constants (also inside tuples) and the `.cuda` attribute name
+    replaced by their CPU twins, nested functions included; and how many replacements were made."""
 
-    def __torch_function__(self, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
-        if func is torch.Tensor.cuda:
-            return args[0]
-        if func is torch.Tensor.type and len(args) == 1 and not kwargs:
-            # megatron's optimizers dispatch on 'torch.cuda.FloatTensor'-style names.
-            name = func(*args)
-            return name.replace("torch.", "torch.cuda.", 1) if not name.startswith("torch.cuda.") else name
-        if "device" in kwargs and _is_cuda_device(kwargs["device"]):
-            kwargs = dict(kwargs, device="cpu")
-        if func in (torch.Tensor.to,) and args[1:] and _is_cuda_device(args[1]):
-            args = (args[0], "cpu", *args[2:])
-        return func(*args, **kwargs)
+    def const(c):
+        if isinstance(c, str):
+            return _CPU_CONSTANTS.get(c, c), int(c in _CPU_CONSTANTS)
+        if isinstance(c, tuple):
+            pairs = [const(x) for x in c]
+            return tuple(x for x, _ in pairs), sum(n for _, n in pairs)
+        if isinstance(c, types.CodeType):
+            return _rewrite_code(c)
+        return c, 0
+
+    pairs = [const(c) for c in code.co_consts]
+    names = tuple(_CPU_NAMES.get(n, n) for n in code.co_names)
+    changed = sum(n for _, n in pairs) + sum(a != b for a, b in zip(names, code.co_names))
+    return code.replace(co_consts=tuple(c for c, _ in pairs), co_names=names), changed
+
+
+def _point_at_cpu(module: str, qualname: str) -> None:
+    """Rewrite one megatron function in place (every imported reference to it sees the change)."""
+    obj: Any = importlib.import_module(module)
+    for part in qualname.split("."):
+        obj = getattr(obj, part)
+    fn = getattr(obj, "__func__", obj)  # classmethod/staticmethod
+    code, changed = _rewrite_code(fn.__code__)
+    if not changed:
+        raise RuntimeError(
+            f"megatron_rlhf's CPU layer: {module}.{qualname} no longer names CUDA; the megatron-core "
+            f"release differs from the supported {SUPPORTED_MEGATRON_CORE}: update CUDA_LITERAL_SITES"
+        )
+    fn.__code__ = code
 
 
 class _NullStream:
@@ -141,10 +193,11 @@ def enable() -> bool:
     _check_versions()
 
     # 1. devices
-    _CudaToCpuMode().__enter__()  # stays on the mode stack for the life of the process
     torch.cuda.current_device = lambda: "cpu"
     torch.cuda.set_device = lambda device: None
     torch.cuda.device_count = lambda: 0
+    for module, qualname in CUDA_LITERAL_SITES:
+        _point_at_cpu(module, qualname)
 
     # 2. RNG: the "CUDA" generator is the CPU generator.
     torch.cuda.get_rng_state = lambda device="cuda": torch.get_rng_state()

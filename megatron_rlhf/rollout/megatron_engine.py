@@ -132,80 +132,101 @@ class MegatronRolloutEngine(RolloutEngine):
 
 
 def _decode(gpt, prompt_ids, lengths, sampling: SamplingParams, eos_id, pad_id, vocab_size, generator, uniforms=None):
+    """The decoding loop. Per step: one forward, one pick, and a handful of column writes; nothing
+    waits on the device except the early stop check with an EOS id (after the last prompt ends)."""
     from megatron.core.inference.contexts import StaticInferenceContext
 
     b, T = prompt_ids.shape[0], sampling.max_new_tokens
     device = prompt_ids.device
-    shortest, longest = int(lengths.min()), int(lengths.max())
-    n_slots = longest + T - 1  # the last sampled token is never fed back
-    if n_slots > gpt.max_sequence_length:
+    host_lengths = lengths.cpu()
+    shortest, longest = int(host_lengths.min()), int(host_lengths.max())
+    width = longest + T
+    if width - 1 > gpt.max_sequence_length:  # the last sampled token is never fed back
         raise ValueError(
-            f"longest prompt ({longest} tokens) + max_new_tokens ({T}) - 1 = {n_slots} exceeds the model's "
+            f"longest prompt ({longest} tokens) + max_new_tokens ({T}) - 1 = {width - 1} exceeds the model's "
             f"max_position_embeddings={gpt.max_sequence_length}: shorten the prompts or max_new_tokens"
         )
-    # seq [b, longest + T]: each row's prompt right-aligned at slot 0, then its response.
-    seq = _right_aligned(prompt_ids, lengths, longest + T, pad_id)
-    rows = torch.arange(b, device=device)
-    response = torch.full((b, T), pad_id, dtype=torch.long, device=device)
-    logprobs = torch.zeros(b, T, dtype=torch.float32, device=device)
-    n_generated = torch.zeros(b, dtype=torch.long, device=device)
+    # seq [b, width]: each row's prompt right-aligned at slot 0, then its response: row i's response
+    # token j sits at slot len_i + j, and its log-prob at the same slot of slot_logprobs.
+    seq = _right_aligned(prompt_ids, lengths, width, pad_id)
+    slot_logprobs = torch.zeros(b, width, dtype=torch.float32, device=device)
+    slot = torch.arange(width, device=device).unsqueeze(0)  # [1, width]
+    in_response = (slot >= lengths.unsqueeze(1)) & (slot < (lengths + T).unsqueeze(1))  # [b, width]
+    positions = slot.expand(b, -1)
+    # uniforms [b, T] -> [b, width]: slot t of row i gets response draw clamp(t - len_i, 0, T - 1).
+    slot_uniforms = None
+    if uniforms is not None:
+        slot_uniforms = uniforms.gather(1, (slot - lengths.unsqueeze(1)).clamp(0, T - 1))
     ended = torch.zeros(b, dtype=torch.bool, device=device)
+    last_slot = lengths + (T - 1)  # a row is complete once this slot is sampled
+    tp_group = _tp_group_to_agree()
 
-    ctx = StaticInferenceContext(max_batch_size=b, max_sequence_length=n_slots)
-    logits = _forward(gpt, seq[:, :shortest], 0, ctx)  # prefill the common prefix
+    ctx = StaticInferenceContext(max_batch_size=b, max_sequence_length=width - 1)
+    logits = _forward(gpt, seq[:, :shortest], positions[:, :shortest], ctx)  # prefill the common prefix
     ctx.enable_decode_mode()
-    t = shortest  # the slot whose token `logits` predicts
-    while True:
-        k = (t - lengths).clamp(0, T - 1)  # response index of slot t
-        u = None if uniforms is None else uniforms.gather(1, k.unsqueeze(1)).squeeze(1)
-        token, token_logprob = _pick(logits, vocab_size, sampling, generator, u)
-        past_prompt = t >= lengths
-        active = past_prompt & ~ended & (n_generated < T)
-        response[rows[active], k[active]] = token[active]
-        logprobs[rows[active], k[active]] = token_logprob[active]
-        seq[active, t] = token[active]
-        n_generated += active.long()
+    for t in range(shortest, width):  # `logits` predicts slot t
+        u = None if slot_uniforms is None else slot_uniforms[:, t]
+        token, token_logprob = _pick(logits, vocab_size, sampling, generator, u, tp_group)
+        # A row takes the token while slot t is in its response and it has not ended; other rows
+        # keep their prompt token or pad, which is what they are fed next.
+        take = in_response[:, t] if eos_id is None else in_response[:, t] & ~ended
+        seq[:, t] = torch.where(take, token, seq[:, t])
+        slot_logprobs[:, t] = token_logprob
         if eos_id is not None:
-            ended |= active & (token == eos_id)
-        if bool((past_prompt & (ended | (n_generated >= T))).all()):
+            ended |= take & (token == eos_id)
+            if t >= longest and bool((ended | (last_slot <= t)).all()):
+                break
+        if t == width - 1:
             break
-        logits = _forward(gpt, seq[:, t : t + 1], t, ctx)
-        t += 1
+        logits = _forward(gpt, seq[:, t : t + 1], positions[:, t : t + 1], ctx)
+    return _responses(seq, slot_logprobs, lengths, ended, T, eos_id, pad_id)
 
-    mask = torch.arange(T, device=device).unsqueeze(0) < n_generated.unsqueeze(1)
+
+def _responses(seq, slot_logprobs, lengths, ended, T: int, eos_id, pad_id: int) -> Dict[str, torch.Tensor]:
+    """Cut each row's response out of the slot buffers [b, width] (see `_decode`) -> the output dict."""
+    at = lengths.unsqueeze(1) + torch.arange(T, device=seq.device).unsqueeze(0)  # [b, T] slots
+    response = seq.gather(1, at)
+    n_generated = torch.full_like(lengths, T)
+    if eos_id is not None:
+        # An ended row stops after its first EOS; later slots were never written.
+        first_eos = (response == eos_id).int().argmax(dim=1)
+        n_generated = torch.where(ended, first_eos + 1, n_generated)
+    mask = torch.arange(T, device=seq.device).unsqueeze(0) < n_generated.unsqueeze(1)
     return {
-        "response_ids": response,
+        "response_ids": torch.where(mask, response, torch.full_like(response, pad_id)),
         "response_mask": mask.float(),
-        "logprobs": logprobs,
+        "logprobs": torch.where(mask, slot_logprobs.gather(1, at), torch.zeros_like(slot_logprobs[:, :T])),
         "ended": ended,
         "lengths": n_generated,
     }
 
 
-def _forward(gpt, tokens: torch.Tensor, start: int, ctx) -> torch.Tensor:
-    """tokens [b, n] for cache slots [start, start + n) -> next-token logits [b, V_padded] (whole vocab).
+def _forward(gpt, tokens: torch.Tensor, positions: torch.Tensor, ctx) -> torch.Tensor:
+    """tokens [b, n] for the next n cache slots (positions [b, n]) -> next-token logits [b, V_padded].
 
-    Prefill (start == 0) uses the model's causal mask; later steps attend to the whole cache
+    Prefill (first call) uses the model's causal mask; later steps attend to the whole cache
     (Megatron switches the mask off once sequence_len_offset > 0). RoPE takes its angles from the
     cache slot, which is the true position here; position_ids are passed for embeddings that use them.
     """
-    b, n = tokens.shape
-    positions = torch.arange(start, start + n, device=tokens.device).unsqueeze(0).expand(b, -1)
     logits = gpt(tokens, positions, None, inference_context=ctx, runtime_gather_output=True)
-    ctx.increment_sequence_len_offset(n)
+    ctx.increment_sequence_len_offset(tokens.shape[1])
     return logits[:, -1, :]  # static contexts materialise only the last position anyway
 
 
 def _pick(
-    logits: torch.Tensor, vocab_size: int, sampling: SamplingParams, generator, u: Optional[torch.Tensor] = None
+    logits: torch.Tensor, vocab_size: int, sampling: SamplingParams, generator, u: Optional[torch.Tensor] = None,
+    tp_group=None,
 ) -> Tuple[torch.Tensor, torch.Tensor]:
     """logits [b, V_padded] -> (token [b] long, its log-prob [b] fp32 under softmax(logits / temperature)).
 
     u [b] in [0, 1): inverse-CDF draws (one per row) instead of `torch.multinomial` with `generator`.
+    With `tp_group` (from `_tp_group_to_agree`), TP rank 0's tokens are used on every rank.
     """
     if logits.shape[-1] < vocab_size:
         raise ValueError(f"vocab_size={vocab_size} is larger than the model's {logits.shape[-1]} logits")
-    z = logits[:, :vocab_size].float() / sampling.temperature
+    z = logits[:, :vocab_size].float()
+    if sampling.temperature != 1.0:  # x / 1.0 == x exactly: skip the op, not a result
+        z = z / sampling.temperature
     log_probs = torch.log_softmax(z, dim=-1)
     if sampling.greedy:
         token = z.argmax(dim=-1)
@@ -215,19 +236,18 @@ def _pick(
         token = torch.searchsorted(cdf, (u * cdf[:, -1]).unsqueeze(-1), right=True).squeeze(-1).clamp(max=vocab_size - 1)
     else:
         token = torch.multinomial(log_probs.exp(), 1, generator=generator).squeeze(-1)
-    token = _same_on_tp_ranks(token)
+    if tp_group is not None:
+        torch.distributed.broadcast(token, src=torch.distributed.get_global_rank(tp_group, 0), group=tp_group)
     return token, log_probs.gather(-1, token.unsqueeze(-1)).squeeze(-1)
 
 
-def _same_on_tp_ranks(token: torch.Tensor) -> torch.Tensor:
-    """TP rank 0's choice, on every rank of the TP group (a no-op without TP)."""
+def _tp_group_to_agree():
+    """The TP group whose rank 0 picks the tokens for all its ranks; None without TP (nothing to agree on)."""
     from megatron.core import parallel_state as ps
 
     if ps.model_parallel_is_initialized() and ps.get_tensor_model_parallel_world_size() > 1:
-        torch.distributed.broadcast(
-            token, src=ps.get_tensor_model_parallel_src_rank(), group=ps.get_tensor_model_parallel_group()
-        )
-    return token
+        return ps.get_tensor_model_parallel_group()
+    return None
 
 
 # --------------------------------------------------------------------------- inputs

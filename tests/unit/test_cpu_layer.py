@@ -1,0 +1,121 @@
+"""parallel/cpu.py: megatron's CUDA literals are rewritten in a fixed list of functions, and nothing else.
+
+`enable()` changes process-wide state for good, so the checks that need it run in a fresh interpreter.
+"""
+
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from megatron_rlhf.parallel import cpu
+from tests.distributed.launch import ROOT, free_port
+
+pytestmark = pytest.mark.skipif(torch.cuda.is_available(), reason="the CPU layer is off with CUDA")
+
+
+def _run(code: str) -> str:
+    env = dict(os.environ, PYTHONPATH=str(ROOT), CUDA_VISIBLE_DEVICES="", PYTHONWARNINGS="ignore", OMP_NUM_THREADS="1")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, cwd=ROOT, timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    return out.stdout
+
+
+def _names_cuda():
+    t = torch.ones(2, device="cuda")
+    if t.type() in ("torch.cuda.FloatTensor", "torch.cuda.HalfTensor"):
+        return t.cuda()
+    raise TypeError("Expected torch.cuda.FloatTensor, found " + t.type())
+
+
+def _names_nothing():
+    return torch.ones(2)
+
+
+def test_rewrite_covers_tuples_nested_functions_and_attribute_but_not_messages():
+    code, changed = cpu._rewrite_code(_names_cuda.__code__)
+    # "cuda", the two type names in the tuple, the .cuda attribute; the error message is left alone.
+    assert changed == 4
+    assert "cuda" not in code.co_names and "cpu" in code.co_names
+    assert "cpu" in code.co_consts and "cuda" not in code.co_consts
+    assert ("torch.FloatTensor", "torch.HalfTensor") in code.co_consts
+    assert "Expected torch.cuda.FloatTensor, found " in code.co_consts
+
+    def outer():
+        def inner():
+            return torch.zeros(1, device="cuda")
+
+        return inner
+
+    nested, changed = cpu._rewrite_code(outer.__code__)
+    assert changed == 1
+    inner = next(c for c in nested.co_consts if hasattr(c, "co_consts"))
+    assert "cpu" in inner.co_consts and "cuda" not in inner.co_consts
+
+
+def test_a_listed_function_that_names_no_cuda_is_an_error():
+    with pytest.raises(RuntimeError, match="CUDA_LITERAL_SITES"):
+        cpu._point_at_cpu(__name__, "_names_nothing")
+
+
+def test_enable_rewrites_the_sites_and_leaves_other_torch_calls_alone():
+    out = _run(
+        "import torch\n"
+        "from megatron_rlhf.parallel import cpu\n"
+        "assert cpu.enable() and cpu.enable()\n"  # idempotent
+        "assert torch._C._len_torch_function_stack() == 0, 'no torch-wide hook'\n"
+        "from megatron.core.transformer.utils import get_default_causal_mask, get_sliding_window_causal_mask\n"
+        "from megatron.core.fusions import fused_softmax\n"
+        "assert fused_softmax.get_default_causal_mask is get_default_causal_mask  # rewritten in place\n"
+        "m = get_default_causal_mask(3)\n"
+        "assert m.device.type == 'cpu' and m.tolist() == [[False, True, True], [False, False, True], [False, False, False]]\n"
+        "assert get_sliding_window_causal_mask(3, 3, (1, 0)).device.type == 'cpu'\n"
+        "from megatron.core.optimizer.grad_scaler import DynamicGradScaler\n"
+        "s = DynamicGradScaler(2.0**16, 1.0, 2.0, 0.5, 1000, 2)\n"
+        "assert s.scale.device.type == 'cpu' and s.min_scale.device.type == 'cpu'\n"
+        "assert torch.zeros(2).type() == 'torch.FloatTensor'\n"
+        "try:\n"
+        "    torch.ones(1, device='cuda')\n"
+        "except (AssertionError, RuntimeError) as e:\n"
+        "    print('unlisted CUDA call still fails:', type(e).__name__)\n"
+    )
+    assert "unlisted CUDA call still fails" in out
+
+
+def test_bf16_step_through_the_mixed_precision_optimizer():
+    # Float16OptimizerWithFloat16Params compares param.type() with CUDA names; bf16 grads are then
+    # copied into fp32 main params, clipped and stepped.
+    out = _run(
+        "import os, torch\n"
+        f"os.environ.update(MASTER_ADDR='127.0.0.1', MASTER_PORT='{free_port()}', RANK='0', WORLD_SIZE='1', LOCAL_RANK='0')\n"
+        "from megatron_rlhf.config import TrainConfig\n"
+        "from megatron_rlhf.models.build import build_model\n"
+        "from megatron_rlhf.models.spec import ModelConfig\n"
+        "from megatron_rlhf.parallel import init\n"
+        "from megatron_rlhf.parallel.layout import ParallelConfig\n"
+        "from megatron_rlhf.trainer.optim import build_optimizer, wrap_ddp\n"
+        "from megatron_rlhf.trainer.step import make_forward_step, train_step\n"
+        "init.initialize(ParallelConfig(), seed=3)\n"
+        "cfg = ModelConfig(num_layers=2, hidden_size=32, ffn_hidden_size=64, num_attention_heads=4, num_query_groups=2,\n"
+        "                  vocab_size=32, max_position_embeddings=64, params_dtype='bfloat16')\n"
+        "chunks = wrap_ddp(build_model(cfg, ParallelConfig()), False)\n"
+        "opt, sched = build_optimizer(chunks, TrainConfig(lr=1e-2, clip_grad=0.5), False, 10)\n"
+        "kinds = {type(o).__name__ for o in getattr(opt, 'chained_optimizers', [opt])}\n"
+        "assert kinds == {'Float16OptimizerWithFloat16Params'}, kinds\n"
+        "def loss_fn(out, batch):\n"
+        "    n = torch.tensor(out.shape[0] * out.shape[1])\n"
+        "    loss = -torch.log_softmax(out.float(), -1)[..., 0].sum()\n"
+        "    return loss, n, {'loss': (loss.detach(), n)}\n"
+        "g = torch.Generator().manual_seed(0)\n"
+        "mbs = [{'input_ids': torch.randint(0, 32, (2, 8), generator=g)}]\n"
+        "first = train_step(chunks, opt, sched, mbs, make_forward_step(loss_fn))\n"
+        "for _ in range(3):\n"
+        "    last = train_step(chunks, opt, sched, mbs, make_forward_step(loss_fn))\n"
+        "assert first['grad_norm'] > 0.5 and first['skipped'] == 0.0, first\n"
+        "assert last['loss'] < first['loss'], (first, last)\n"
+        "init.destroy()\n"
+        "print('ok')\n"
+    )
+    assert out.strip().endswith("ok")
