@@ -63,7 +63,12 @@ class Clock:
 
 def setup():
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-    os.environ.setdefault("MASTER_PORT", "29531")
+    if "MASTER_PORT" not in os.environ:  # a free one: a fixed port may be taken by another run
+        import socket
+
+        with socket.socket() as sock:
+            sock.bind(("127.0.0.1", 0))
+            os.environ["MASTER_PORT"] = str(sock.getsockname()[1])
     os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0")
     torch.set_num_threads(2)
     from megatron_rlhf.models.spec import ModelConfig
