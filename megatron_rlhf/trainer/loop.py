@@ -21,7 +21,7 @@ from megatron_rlhf.models.build import build_model
 from megatron_rlhf.parallel import init
 from megatron_rlhf.parallel.layout import validate_layout
 from megatron_rlhf.trainer.optim import build_optimizer, wrap_ddp
-from megatron_rlhf.trainer.preflight import check_run_dirs
+from megatron_rlhf.trainer.preflight import check_run_dirs, resume_message
 from megatron_rlhf.trainer.step import LossFn, make_forward_step, reduce_stats, run_schedule, train_step
 
 
@@ -69,6 +69,7 @@ def _metrics(cfg, total_steps: int, start_step: int, rank0: bool):
         tensorboard=cfg.logging.tensorboard,
         progress_bar=cfg.logging.progress_bar,
         config_text=C.to_yaml(cfg),
+        log_interval=cfg.logging.log_interval,
     )
 
 
@@ -118,7 +119,7 @@ def run_stage(cfg, stage: Stage) -> Dict[str, float]:
         step = int(resumed_extra["step"])
         sampler.load_state_dict(resumed_extra["data"])
         if log:
-            log(f"resumed from {resume_from} at step {step}")
+            log(resume_message(resume_from, step, total_steps, cfg.train.exit_at_step))
     if rank0:
         C.save_resolved(cfg, cfg.logging.run_dir)
         # Later stages (`model.load`) read the architecture from here.
@@ -145,7 +146,7 @@ def run_stage(cfg, stage: Stage) -> Dict[str, float]:
         perf = {"perf/tokens_per_step": tokens, "perf/peak_memory_gib": peak_memory_gib()}
         if timing.seconds:
             perf["perf/tokens_per_s"] = tokens / timing.seconds
-        metrics.log(step, {f"train/{k}": v for k, v in stats.items()} | perf)
+        metrics.log_step(step, {f"train/{k}": v for k, v in stats.items()} | perf, last=step == stop_at)
         evaluate_now = cfg.train.eval_interval and step % cfg.train.eval_interval == 0
         if splits.eval is not None and (evaluate_now or step == total_steps):
             last_eval = evaluate(chunks, splits.eval, stage, cfg, tokenizer, dp_size, pad_to)
