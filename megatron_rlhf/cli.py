@@ -38,7 +38,7 @@ class Command:
 COMMANDS = {
     "sft": Command("supervised fine-tuning on demonstrations (stage 1)", "megatron_rlhf.trainer.sft:run", C.SFTConfig),
     "rm": Command("Bradley-Terry reward model on preference pairs (stage 2)", "megatron_rlhf.trainer.rm:run", C.RMConfig),
-    "convert": Command("HF <-> Megatron checkpoints: convert hf-to-megatron|megatron-to-hf ...", "megatron_rlhf.checkpoint.hf:main"),
+    "convert": Command("HF <-> Megatron checkpoints: convert hf-to-megatron|megatron-to-hf ...", "megatron_rlhf.checkpoint.convert_cli:main"),
     "prepare-tiny": Command("write the tiny sort-digits task (tokenizer + jsonl)", "megatron_rlhf.tasks.sort_digits:main"),
     "launch": Command("run N ranks of a command on this node: launch --nproc-per-node N sft CONFIG.yaml ...", "megatron_rlhf.launch:main"),
     "tiny-pairs": Command("preference pairs for the tiny task from two SFT-policy samples per prompt", "megatron_rlhf.tasks.sft_pairs:main"),

@@ -1,7 +1,8 @@
-"""Checks a training stage runs before any slow work (data loading, model building, process groups).
+"""The start of a training stage: checks before any slow work, and what to say after resuming.
 
 A run directory that cannot be written would otherwise fail at the first checkpoint or metrics
-write, after the data has been tokenised and the model built.
+write, after the data has been tokenised and the model built (data loading, model building and
+process groups come later).
 """
 
 from __future__ import annotations
