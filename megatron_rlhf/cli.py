@@ -40,27 +40,27 @@ COMMANDS = {
     "sft": Command("supervised fine-tuning on demonstrations (stage 1)", "megatron_rlhf.trainer.sft:run", C.SFTConfig),
     "rm": Command("Bradley-Terry reward model on preference pairs (stage 2)", "megatron_rlhf.trainer.rm:run", C.RMConfig),
     "ppo": Command("PPO against the reward model, KL-penalised to the SFT policy (stage 3)", "megatron_rlhf.trainer.ppo:run", C.PPOConfig),
-    "convert": Command("HF <-> Megatron checkpoints: convert hf-to-megatron|megatron-to-hf ...", "megatron_rlhf.checkpoint.hf:main"),
+    "convert": Command("HF <-> Megatron checkpoints: convert hf-to-megatron|megatron-to-hf ...", "megatron_rlhf.checkpoint.convert_cli:main"),
     "prepare-tiny": Command("write the tiny sort-digits task (tokenizer + jsonl)", "megatron_rlhf.tasks.sort_digits:main"),
     "launch": Command("run N ranks of a command on this node: launch --nproc-per-node N sft CONFIG.yaml ...", "megatron_rlhf.launch:main"),
     "tiny-pairs": Command("preference pairs for the tiny task from two SFT-policy samples per prompt", "megatron_rlhf.tasks.sft_pairs:main"),
 }
 
 
+# Exceptions that mean bad input: reported as one line, exit code 2, no traceback. Evaluated when an
+# exception is being matched, from the modules loaded by then: an error class whose module was never
+# imported cannot have been raised, and importing data.py (torch) just to name DataError takes seconds.
+_USER_ERRORS = (
+    ("megatron_rlhf.config", "ConfigError"),
+    ("megatron_rlhf.data", "DataError"),
+    ("megatron_rlhf.parallel.layout", "LayoutError"),
+    ("megatron_rlhf.models.spec", "UnsupportedModelError"),
+    ("megatron_rlhf.checkpoint.damage", "CheckpointError"),  # no checkpoint with resume=required, damage, ...
+)
+
+
 def _user_errors() -> tuple:
-    """Exceptions that mean bad input: reported as one line, exit code 2, no traceback."""
-    from megatron_rlhf.data import DataError
-    from megatron_rlhf.models.spec import UnsupportedModelError
-    from megatron_rlhf.parallel.layout import LayoutError
-
-    errors = [C.ConfigError, DataError, LayoutError, UnsupportedModelError]
-    try:  # checkpoint problems (none found with resume=required, ...) are bad input too
-        from megatron_rlhf.checkpoint.state import CheckpointError
-
-        errors.append(CheckpointError)
-    except ImportError:
-        pass
-    return tuple(errors)
+    return tuple(getattr(sys.modules[m], name) for m, name in _USER_ERRORS if m in sys.modules)
 
 
 def _error(message: str) -> int:
@@ -105,10 +105,9 @@ def _run_config_command(name: str, cmd: Command, argv: Sequence[str]) -> int:
     if yaml_path is not None and "=" in yaml_path:  # no YAML, the first argument is an override
         overrides.insert(0, yaml_path)
         yaml_path = None
-    errors = _user_errors()
     try:
         cfg = C.load_config(cmd.config, yaml_path, overrides)
-    except errors as e:
+    except _user_errors() as e:
         return _error(str(e))
     if args.print_config:
         print(C.to_yaml(cfg), end="")
@@ -116,16 +115,22 @@ def _run_config_command(name: str, cmd: Command, argv: Sequence[str]) -> int:
     run = _resolve(cmd.target)
     try:
         result = run(cfg)
-    except errors as e:
+    except _user_errors() as e:
         return _error(str(e))
     return result if isinstance(result, int) else 0
 
 
 def _quiet_known_warnings() -> None:
-    """Megatron-Core warns on every rank that optional GPU libraries are absent; say it once here."""
+    """Megatron-Core warns on every rank that optional GPU libraries are absent, about deprecations
+    inside its own checkpointing code and about its (disabled) rerun state machine: nothing a user
+    of this package can act on."""
+    import logging
+
     for pattern in (r".*(Apex|Transformer Engine).*not installed.*", r".*Apex is not installed.*",
-                    r"full scope is deprecated.*", r".*torch.jit.script_method.*is deprecated.*"):
+                    r"full scope is deprecated.*", r".*torch.jit.script_method.*is deprecated.*",
+                    r"`load_state_dict` is deprecated.*", r"Please use DTensor instead and we are deprecating ShardedTensor.*"):
         warnings.filterwarnings("ignore", message=pattern)
+    logging.getLogger("megatron.core.rerun_state_machine").setLevel(logging.ERROR)
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:

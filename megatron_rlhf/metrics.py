@@ -68,9 +68,11 @@ class MetricsLogger:
         config_text: Optional[str] = None,
         namespaces: Sequence[str] = NAMESPACES,
         desc: str = "train",
+        log_interval: int = 1,
     ):
         self.enabled = enabled
         self.run_dir = run_dir
+        self.log_interval = max(1, int(log_interval))
         self.namespaces = tuple(namespaces)
         self._settings = dict(
             total_steps=total_steps, tensorboard=tensorboard, progress_bar=progress_bar, config_text=config_text, desc=desc
@@ -139,16 +141,29 @@ class MetricsLogger:
         self._jsonl.write(json.dumps(record) + "\n")
         self.progress(step, values)
 
+    def log_step(self, step: int, scalars: Mapping[str, Any], last: bool = False) -> bool:
+        """`log` every `log_interval` steps (and at the `last` step); otherwise only move the bar.
+
+        Timers keep accumulating in between, so `time/*` is the mean over the interval. Returns
+        whether the scalars were written."""
+        if step % self.log_interval == 0 or last:
+            self.log(step, scalars)
+            return True
+        self.progress(step)
+        return False
+
     def progress(self, step: int, values: Optional[Mapping[str, float]] = None) -> None:
         """Move the progress bar to `step` (call every step if logging is sparser)."""
         if self._bar is None:
             return
-        if step > self._bar.n:
-            self._bar.update(step - self._bar.n)
-        if values:
+        if values:  # before the move: the move redraws the bar, with this step's values
             shown = {k.split("/", 1)[1] if k.startswith("train/") else k: v for k, v in values.items() if k in POSTFIX_KEYS}
             if shown:
                 self._bar.set_postfix({k: f"{v:.4g}" for k, v in shown.items() if not math.isnan(v)}, refresh=False)
+        if step > self._bar.n:
+            self._bar.update(step - self._bar.n)
+        elif values:
+            self._bar.refresh()
 
     @contextmanager
     def timer(self, name: str, cuda_sync: bool = True) -> Iterator[_Timing]:

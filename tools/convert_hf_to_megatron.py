@@ -11,7 +11,7 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from megatron_rlhf.checkpoint.hf import hf_to_megatron_main  # noqa: E402
+from megatron_rlhf.checkpoint.convert_cli import hf_to_megatron_main  # noqa: E402
 
 if __name__ == "__main__":  # dist_checkpointing may start a spawn manager: keep the entry point import-safe
     sys.exit(hf_to_megatron_main(sys.argv[1:]))

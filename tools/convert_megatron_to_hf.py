@@ -11,7 +11,7 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from megatron_rlhf.checkpoint.hf import megatron_to_hf_main  # noqa: E402
+from megatron_rlhf.checkpoint.convert_cli import megatron_to_hf_main  # noqa: E402
 
 if __name__ == "__main__":
     sys.exit(megatron_to_hf_main(sys.argv[1:]))

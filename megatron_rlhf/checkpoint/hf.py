@@ -17,19 +17,18 @@ the head, the original HF config, the source and the dtype; tokenizer files go t
 Output is built in a temporary sibling directory and renamed into place when complete.
 
 Also here: loading HF or converted checkpoints into a live (sharded) model, and saving a live model
-as an HF directory. Command lines: `hf_to_megatron_main(argv)`, `megatron_to_hf_main(argv)`, `main(argv)`.
+as an HF directory. The command lines (`hf_to_megatron_main(argv)`, `megatron_to_hf_main(argv)`,
+`main(argv)`) are in checkpoint/convert_cli.py and can still be imported from here.
 """
 
 from __future__ import annotations
 
-import argparse
 import io
 import json
 import os
-import sys
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Dict, Iterable, Iterator, List, Optional, Sequence, Tuple
+from typing import Callable, Dict, Iterable, Iterator, List, Optional, Tuple
 
 import torch
 
@@ -458,103 +457,10 @@ def save_hf_from_model(
         write_hf_dir(tmp, stream, cfg, head, dtype, hf_config=hf_config, max_shard_bytes=max_shard_bytes)
 
 
-# --------------------------------------------------------------------------------------------
-# Command lines
-# --------------------------------------------------------------------------------------------
+def __getattr__(name: str):
+    """The command lines live in checkpoint/convert_cli.py (imported on first use: it imports this module)."""
+    if name in ("main", "hf_to_megatron_main", "megatron_to_hf_main"):
+        from megatron_rlhf.checkpoint import convert_cli
 
-
-def _run(fn, argv) -> int:
-    try:
-        fn(argv)
-    except ConversionError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
-    return 0
-
-
-def hf_to_megatron_main(argv: Optional[Sequence[str]] = None, prog: str = "convert_hf_to_megatron.py") -> int:
-    p = argparse.ArgumentParser(
-        prog=prog,
-        description="HF directory (Llama/Mistral/Qwen2, causal LM or sequence classifier) -> Megatron torch_dist "
-        "checkpoint that loads at any TP/PP.",
-    )
-    p.add_argument("--hf-dir", required=True, help="HF model directory (config.json + safetensors or .bin)")
-    p.add_argument("--out", required=True, help="output checkpoint directory (must not exist)")
-    p.add_argument("--overwrite", action="store_true", help="replace an existing --out")
-    p.add_argument(
-        "--head",
-        choices=["lm", "scalar"],
-        default=None,
-        help="lm: causal LM; scalar: reward/value model (a causal LM gets a fresh zero head). Default: the source's",
-    )
-    p.add_argument("--dtype", choices=sorted(DTYPES), default=None, help="stored dtype (default: config's)")
-    p.add_argument("--target-tp", type=int, default=None, help="also check this tensor-parallel size splits the weights")
-    p.add_argument("--key-prefix", default="", help='prefix for every checkpoint key, e.g. "policy."')
-    p.add_argument("--quiet", action="store_true", help="no progress bar")
-    args = p.parse_args(argv)
-
-    def go(_):
-        hf_to_megatron(
-            args.hf_dir,
-            args.out,
-            head=args.head,
-            dtype=args.dtype,
-            overwrite=args.overwrite,
-            target_tp=args.target_tp,
-            key_prefix=args.key_prefix,
-            progress=not args.quiet,
-        )
-        print(f"wrote {args.out}")
-
-    return _run(go, argv)
-
-
-def megatron_to_hf_main(argv: Optional[Sequence[str]] = None, prog: str = "convert_megatron_to_hf.py") -> int:
-    p = argparse.ArgumentParser(
-        prog=prog,
-        description="Megatron torch_dist checkpoint (with megatron_rlhf_meta.json) -> HF directory with sharded "
-        "safetensors, config.json and tokenizer files.",
-    )
-    p.add_argument("--megatron-dir", required=True, help="checkpoint directory written by convert_hf_to_megatron or training")
-    p.add_argument("--out", required=True, help="output HF directory (must not exist)")
-    p.add_argument("--overwrite", action="store_true", help="replace an existing --out")
-    p.add_argument("--dtype", choices=sorted(DTYPES), default=None, help="output dtype (default: the checkpoint's)")
-    p.add_argument("--max-shard-gb", type=float, default=5.0, help="safetensors shard size")
-    p.add_argument(
-        "--hf-config",
-        default=None,
-        help="for a checkpoint without megatron_rlhf_meta.json (e.g. from training): the HF directory "
-        "(or config.json) the model came from",
-    )
-    p.add_argument("--head", choices=["lm", "scalar"], default=None, help="with --hf-config: the model's head")
-    p.add_argument("--key-prefix", default=None, help='with --hf-config: key prefix in the checkpoint, e.g. "policy."')
-    p.add_argument("--quiet", action="store_true", help="no progress bar")
-    args = p.parse_args(argv)
-
-    def go(_):
-        megatron_to_hf(
-            args.megatron_dir,
-            args.out,
-            overwrite=args.overwrite,
-            dtype=args.dtype,
-            max_shard_bytes=int(args.max_shard_gb * (1 << 30)),
-            hf_config_dir=args.hf_config,
-            head=args.head,
-            key_prefix=args.key_prefix,
-            progress=not args.quiet,
-        )
-        print(f"wrote {args.out}")
-
-    return _run(go, argv)
-
-
-def main(argv: Optional[Sequence[str]] = None) -> int:
-    """`convert hf-to-megatron ...` / `convert megatron-to-hf ...` (for the `megatron-rlhf` CLI)."""
-    argv = list(sys.argv[1:] if argv is None else argv)
-    commands = {"hf-to-megatron": hf_to_megatron_main, "megatron-to-hf": megatron_to_hf_main}
-    if not argv or argv[0] not in commands:
-        print(f"usage: megatron-rlhf convert {{{'|'.join(commands)}}} ... (--help after one shows its arguments)",
-              file=sys.stderr)
-        return 0 if argv[:1] in (["-h"], ["--help"]) else 2
-    return commands[argv[0]](argv[1:], prog=f"megatron-rlhf convert {argv[0]}")
-
+        return getattr(convert_cli, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -12,10 +12,10 @@ import importlib.util
 from dataclasses import dataclass
 from typing import Any, Mapping, Optional
 
-import torch
-
-from megatron_rlhf.parallel import cpu
 from megatron_rlhf.parallel.layout import Fp8Config, ParallelConfig
+
+# torch is imported inside the functions that need it: config.py (and so `megatron-rlhf --help`)
+# imports this module, and importing torch takes seconds.
 
 SUPPORTED_ARCHITECTURES = {
     # HF architecture name -> (family, head)   head: "lm" or "score" (sequence classification)
@@ -64,7 +64,9 @@ class ModelConfig:
         multiple = self.make_vocab_size_divisible_by * tp
         return -(-self.vocab_size // multiple) * multiple
 
-    def torch_dtype(self) -> torch.dtype:
+    def torch_dtype(self) -> "torch.dtype":  # noqa: F821
+        import torch
+
         return {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[
             self.params_dtype
         ]
@@ -190,6 +192,8 @@ def model_config_from_hf(hf_config: Any) -> tuple[ModelConfig, str]:
 
 def transformer_engine_available() -> bool:
     """TE is usable only when it is installed and CUDA is present."""
+    import torch
+
     return torch.cuda.is_available() and importlib.util.find_spec("transformer_engine") is not None
 
 
@@ -213,7 +217,10 @@ def transformer_config(
     **overrides: Any,
 ):
     """Megatron `TransformerConfig` for `model` under `parallel`. Dropout is off (RLHF convention)."""
+    import torch
     import torch.nn.functional as F
+
+    from megatron_rlhf.parallel import cpu
     from megatron.core.transformer import TransformerConfig
 
     dtype = model.torch_dtype()

@@ -223,5 +223,10 @@ def enable() -> bool:
     clip_grads.clip_grad_by_total_norm_fp32 = _clip_grad_by_total_norm_cpu
     optimizer.clip_grad_by_total_norm_fp32 = _clip_grad_by_total_norm_cpu
 
+    # 5. GPU-only advice that is noise here
+    import warnings
+
+    warnings.filterwarnings("ignore", message=r".*CUDA_DEVICE_MAX_CONNECTIONS.*")
+
     _enabled = True
     return True

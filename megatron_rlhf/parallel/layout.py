@@ -69,12 +69,12 @@ def validate_layout(
         )
     if num_attention_heads is not None and num_attention_heads % p.tp != 0:
         raise LayoutError(
-            f"num_attention_heads={num_attention_heads} is not divisible by parallel.tp={p.tp}: "
+            f"model.num_attention_heads={num_attention_heads} is not divisible by parallel.tp={p.tp}: "
             f"pick a tp that divides {num_attention_heads}"
         )
     if num_query_groups is not None and num_query_groups % p.tp != 0:
         raise LayoutError(
-            f"num_query_groups (key/value heads)={num_query_groups} is not divisible by "
+            f"model.num_query_groups (key/value heads)={num_query_groups} is not divisible by "
             f"parallel.tp={p.tp}: pick a tp that divides {num_query_groups}"
         )
     if p.vpp is not None:
@@ -86,7 +86,7 @@ def validate_layout(
     if num_layers is not None and num_layers % chunks != 0:
         what = f"pp={p.pp}" if p.vpp is None else f"pp*vpp = {p.pp}*{p.vpp} = {chunks}"
         raise LayoutError(
-            f"num_layers={num_layers} is not divisible by {what}: pick a pipeline size that "
+            f"model.num_layers={num_layers} is not divisible by {what}: pick a pipeline size that "
             f"divides {num_layers}"
         )
     if p.sequence_parallel and p.tp < 2:

@@ -9,6 +9,7 @@ and any other rank prints its own only when rank 0 has not posted the same one w
 from __future__ import annotations
 
 import os
+import sys
 import time
 
 _KEY = "megatron_rlhf/error"
@@ -20,6 +21,8 @@ def _rank() -> int:
 
 
 def _store():
+    if "torch.distributed" not in sys.modules:  # no process group can exist; do not import torch for nothing
+        return None
     try:
         import torch.distributed as dist
 

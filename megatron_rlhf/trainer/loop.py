@@ -17,6 +17,7 @@ from megatron_rlhf import data as D
 from megatron_rlhf.checkpoint import state as ckpt
 from megatron_rlhf.metrics import peak_memory_gib
 from megatron_rlhf.parallel import init
+from megatron_rlhf.trainer.preflight import resume_message
 from megatron_rlhf.trainer.run import (
     StopFlag, build_trainable, open_metrics, record_run, resume_point, save_or_stop, start_run, write_json,
 )
@@ -65,7 +66,7 @@ def run_stage(cfg, stage: Stage) -> Dict[str, float]:
         step = int(resumed_extra["step"])
         sampler.load_state_dict(resumed_extra["data"])
         if log:
-            log(f"resumed from {resume_from} at step {step}")
+            log(resume_message(resume_from, step, total_steps, cfg.train.exit_at_step))
     record_run(cfg, ctx)
 
     def save(at_step: int, more: Optional[dict] = None):
@@ -89,7 +90,7 @@ def run_stage(cfg, stage: Stage) -> Dict[str, float]:
         perf = {"perf/tokens_per_step": tokens, "perf/peak_memory_gib": peak_memory_gib()}
         if timing.seconds:
             perf["perf/tokens_per_s"] = tokens / timing.seconds
-        metrics.log(step, {f"train/{k}": v for k, v in stats.items()} | perf)
+        metrics.log_step(step, {f"train/{k}": v for k, v in stats.items()} | perf, last=step == stop_at)
         evaluate_now = cfg.train.eval_interval and step % cfg.train.eval_interval == 0
         if splits.eval is not None and (evaluate_now or step == total_steps):
             last_eval = evaluate(chunks, splits.eval, stage, cfg, tokenizer, dp_size, pad_to)

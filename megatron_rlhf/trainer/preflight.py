@@ -1,13 +1,15 @@
-"""Checks a training stage runs before any slow work (data loading, model building, process groups).
+"""The start of a training stage: checks before any slow work, and what to say after resuming.
 
 A run directory that cannot be written would otherwise fail at the first checkpoint or metrics
-write, after the data has been tokenised and the model built.
+write, after the data has been tokenised and the model built (data loading, model building and
+process groups come later).
 """
 
 from __future__ import annotations
 
 import os
 import tempfile
+from typing import Optional
 
 from megatron_rlhf.config import ConfigError
 
@@ -38,3 +40,14 @@ def check_run_dirs(cfg) -> None:
     check_writable_dir(cfg.logging.run_dir, "logging.run_dir")
     if cfg.checkpoint.dir:
         check_writable_dir(cfg.checkpoint.dir, "checkpoint.dir")
+
+
+def resume_message(path, step: int, total_steps: int, exit_at_step: Optional[int]) -> str:
+    """What rank 0 says after resuming; says so when there is nothing left to train."""
+    msg = f"resumed from {path} at step {step}"
+    if step >= total_steps:
+        return (f"{msg}: the run is already finished ({total_steps} steps), nothing to train; raise "
+                "train.train_steps (or train.epochs) to train on, or use another logging.run_dir")
+    if exit_at_step is not None and step >= exit_at_step:
+        return f"{msg}: train.exit_at_step={exit_at_step} is already reached, nothing to train; raise or unset it"
+    return msg

@@ -158,7 +158,7 @@ def open_metrics(cfg, ctx: RunContext, total_steps: int, start_step: int,
     return MetricsLogger(
         cfg.logging.run_dir, enabled=ctx.rank0, total_steps=total_steps, start_step=start_step,
         tensorboard=cfg.logging.tensorboard, progress_bar=cfg.logging.progress_bar, config_text=C.to_yaml(cfg),
-        namespaces=tuple(namespaces or NAMESPACES), desc=desc,
+        namespaces=tuple(namespaces or NAMESPACES), desc=desc, log_interval=cfg.logging.log_interval,
     )
 
 

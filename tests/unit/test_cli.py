@@ -111,3 +111,14 @@ def test_subprocess_error_has_no_traceback(tmp_path):
     assert proc.returncode == 2
     assert proc.stderr.strip().splitlines() == [f"error: config file '{tmp_path / 'missing.yaml'}' not found (cwd: {ROOT}): pass an existing YAML file"]
     assert "Traceback" not in proc.stderr
+
+
+@pytest.mark.parametrize("argv", [["--help"], ["sft", "--help"], ["rm", "--help"], ["sft", "--print-config"]])
+def test_help_does_not_import_torch(argv):
+    """--help answers at once: torch (seconds to import) is imported only by commands that run."""
+    code = ("import sys; from megatron_rlhf import cli\n"
+            "try:\n    cli.main(sys.argv[1:])\nexcept SystemExit:\n    pass\n"
+            "heavy = sorted(m for m in ('torch', 'megatron.core', 'datasets', 'transformers') if m in sys.modules)\n"
+            "print('HEAVY', heavy)\n")
+    proc = subprocess.run([sys.executable, "-c", code, *argv], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert "HEAVY []" in proc.stdout, proc.stdout[-500:] + proc.stderr[-2000:]

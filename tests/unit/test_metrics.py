@@ -93,3 +93,22 @@ def test_resume_purges_later_events_and_appends_jsonl(tmp_path, capsys):
     values = {e.step: e.value for e in events(run).Scalars("train/loss")}
     assert values == {1: 1.0, 2: 2.0, 3: 3.0, 4: 14.0, 5: 15.0, 6: 16.0}
     assert len(read_jsonl(os.path.join(run, "metrics.jsonl"))) == 8
+
+
+def test_log_interval_writes_every_nth_step_and_the_last(tmp_path):
+    run = str(tmp_path / "run")
+    with MetricsLogger(run, total_steps=7, progress_bar=False, tensorboard=False, log_interval=3) as m:
+        written = [m.log_step(step, {"train/loss": float(step)}, last=step == 7) for step in range(1, 8)]
+    assert written == [False, False, True, False, False, True, True]
+    assert [r["step"] for r in read_jsonl(os.path.join(run, "metrics.jsonl"))] == [3, 6, 7]
+
+
+def test_progress_bar_shows_this_steps_loss_not_the_previous_ones(tmp_path, capsys):
+    with MetricsLogger(str(tmp_path / "run"), total_steps=3, tensorboard=False) as m:
+        m.log(1, {"train/loss": 5.0})
+        # Redraw on every move (tqdm otherwise skips redraws within 0.1 s or a few steps).
+        m._bar.mininterval, m._bar.miniters, m._bar.dynamic_miniters = 0, 0, False
+        for step, loss in ((2, 3.0), (3, 1.0)):
+            m.log(step, {"train/loss": loss})
+            drawn = [part for part in capsys.readouterr().err.split("\r") if part.strip()][-1]
+            assert f"{step}/3" in drawn and f"loss={loss:.4g}" in drawn, drawn
