@@ -7,13 +7,13 @@ CUDA is available; otherwise it neutralises exactly these CUDA assumptions (each
 1. CUDA named in megatron code: ``torch.cuda.current_device()`` returns ``"cpu"`` and
    ``set_device`` / ``device_count`` are harmless. The remaining CUDA literals sit in a fixed list
    of megatron functions (`CUDA_LITERAL_SITES`): ``device="cuda"`` (causal masks, pipeline token
-   counters, grad-norm buffers, optimizer loss scale / grad scalers), ``.cuda()`` (the embedding
-   all-reduce of tied weights), and ``'torch.cuda.FloatTensor'``-style names compared with
-   ``Tensor.type()`` (the optimizers). Each function's code is rewritten once, at `enable()`, to
-   name the CPU instead (string constants / attribute names in its code object), so they cost
-   nothing per call and nothing else in the process is touched: no global ``TorchFunctionMode``,
-   whose Python hook cost ~10 us on every torch call of the process (most of a small model's
-   decoding time). The list is what a ``TorchFunctionMode`` that logged every CUDA device, ``.cuda()``
+   counters, grad-norm buffers, optimizer loss scale / grad scalers) and ``'torch.cuda.FloatTensor'``
+   -style names compared with ``Tensor.type()`` (the optimizers); and ``.cuda()`` in one function
+   (`CUDA_METHOD_SITES`: the all-reduce of tied embeddings). Each function's code is rewritten
+   once, at `enable()`, to name the CPU instead (string constants, or the ``cuda`` attribute name,
+   in its code object), so they cost nothing per call and nothing else in the process is touched:
+   no global ``TorchFunctionMode``, whose Python hook cost ~10 us on every torch call of the
+   process (~40% of a small model's decoding time, measured by benchmarks/rollout.py's shape). The list is what a ``TorchFunctionMode`` that logged every CUDA device, ``.cuda()``
    and ``.type()`` it had to rewrite found over the tests' paths (build at TP/PP/VPP, the three
    schedules, Adam incl. the distributed optimizer in fp32 and bf16, fp16 grad scalers, clipping,
    dist_checkpointing save/load, KV-cache decoding, ``resharding.swap_model_weights``), plus the
@@ -58,7 +58,7 @@ def cuda_available() -> bool:
 # Megatron functions whose code names CUDA, as (module, qualified name). Found by logging, with a
 # stack, every call where a global CUDA->CPU TorchFunctionMode had to change something (module
 # docstring, item 1); each entry is rewritten by `_point_at_cpu`.
-CUDA_LITERAL_SITES = (
+CUDA_LITERAL_SITES = (  # string constants
     # device="cuda"
     ("megatron.core.transformer.utils", "get_default_causal_mask"),  # every forward with a causal mask
     ("megatron.core.transformer.utils", "get_sliding_window_causal_mask"),
@@ -75,6 +75,8 @@ CUDA_LITERAL_SITES = (
     ("megatron.core.optimizer.optimizer", "Float16OptimizerWithFloat16Params.__init__"),
     ("megatron.core.optimizer.distrib_optimizer", "DistributedOptimizer._build_model_and_main_param_groups"),
     ("megatron.core.optimizer.distrib_optimizer", "DistributedOptimizer.__init__"),
+)
+CUDA_METHOD_SITES = (  # `x.cuda()` -> `x.cpu()`: the function's only use of the name `cuda`
     # weight.data.cuda() before the all-reduce of tied embeddings (pp > 1)
     ("megatron.core.models.common.language_module.language_module", "LanguageModule.setup_embeddings_and_output_layer"),
 )
@@ -88,37 +90,38 @@ _CPU_CONSTANTS = {
 _CPU_NAMES = {"cuda": "cpu"}  # attribute names: tensor.cuda() -> tensor.cpu()
 
 
-def _rewrite_code(code: types.CodeType) -> Tuple[types.CodeType, int]:
-    """`code` with the CUDA string constants (also inside tuples) and the `.cuda` attribute name
-    replaced by their CPU twins, nested functions included; and how many replacements were made."""
+def _rewrite_code(code: types.CodeType, names: bool = False) -> Tuple[types.CodeType, int]:
+    """`code` with the CUDA string constants (also inside tuples) replaced by their CPU twins, nested
+    functions included; with `names`, the attribute name `cuda` instead (no constants). Returns the
+    new code and how many replacements were made."""
 
     def const(c):
-        if isinstance(c, str):
+        if isinstance(c, str) and not names:
             return _CPU_CONSTANTS.get(c, c), int(c in _CPU_CONSTANTS)
         if isinstance(c, tuple):
             pairs = [const(x) for x in c]
             return tuple(x for x, _ in pairs), sum(n for _, n in pairs)
         if isinstance(c, types.CodeType):
-            return _rewrite_code(c)
+            return _rewrite_code(c, names)
         return c, 0
 
     pairs = [const(c) for c in code.co_consts]
-    names = tuple(_CPU_NAMES.get(n, n) for n in code.co_names)
-    changed = sum(n for _, n in pairs) + sum(a != b for a, b in zip(names, code.co_names))
-    return code.replace(co_consts=tuple(c for c, _ in pairs), co_names=names), changed
+    co_names = tuple(_CPU_NAMES.get(n, n) for n in code.co_names) if names else code.co_names
+    changed = sum(n for _, n in pairs) + sum(a != b for a, b in zip(co_names, code.co_names))
+    return code.replace(co_consts=tuple(c for c, _ in pairs), co_names=co_names), changed
 
 
-def _point_at_cpu(module: str, qualname: str) -> None:
+def _point_at_cpu(module: str, qualname: str, names: bool = False) -> None:
     """Rewrite one megatron function in place (every imported reference to it sees the change)."""
     obj: Any = importlib.import_module(module)
     for part in qualname.split("."):
         obj = getattr(obj, part)
     fn = getattr(obj, "__func__", obj)  # classmethod/staticmethod
-    code, changed = _rewrite_code(fn.__code__)
+    code, changed = _rewrite_code(fn.__code__, names)
     if not changed:
         raise RuntimeError(
             f"megatron_rlhf's CPU layer: {module}.{qualname} no longer names CUDA; the megatron-core "
-            f"release differs from the supported {SUPPORTED_MEGATRON_CORE}: update CUDA_LITERAL_SITES"
+            f"release differs from the supported {SUPPORTED_MEGATRON_CORE}: update CUDA_LITERAL_SITES / CUDA_METHOD_SITES"
         )
     fn.__code__ = code
 
@@ -198,6 +201,8 @@ def enable() -> bool:
     torch.cuda.device_count = lambda: 0
     for module, qualname in CUDA_LITERAL_SITES:
         _point_at_cpu(module, qualname)
+    for module, qualname in CUDA_METHOD_SITES:
+        _point_at_cpu(module, qualname, names=True)
 
     # 2. RNG: the "CUDA" generator is the CPU generator.
     torch.cuda.get_rng_state = lambda device="cuda": torch.get_rng_state()

@@ -36,12 +36,16 @@ def _names_nothing():
 
 def test_rewrite_covers_tuples_nested_functions_and_attribute_but_not_messages():
     code, changed = cpu._rewrite_code(_names_cuda.__code__)
-    # "cuda", the two type names in the tuple, the .cuda attribute; the error message is left alone.
-    assert changed == 4
-    assert "cuda" not in code.co_names and "cpu" in code.co_names
+    # "cuda" and the two type names in the tuple; the error message and `.cuda` are left alone.
+    assert changed == 3
     assert "cpu" in code.co_consts and "cuda" not in code.co_consts
     assert ("torch.FloatTensor", "torch.HalfTensor") in code.co_consts
     assert "Expected torch.cuda.FloatTensor, found " in code.co_consts
+    assert "cuda" in code.co_names
+    # The method rewrite changes the attribute name only.
+    code, changed = cpu._rewrite_code(_names_cuda.__code__, names=True)
+    assert changed == 1 and "cuda" not in code.co_names and "cpu" in code.co_names
+    assert "cuda" in code.co_consts
 
     def outer():
         def inner():
@@ -58,6 +62,8 @@ def test_rewrite_covers_tuples_nested_functions_and_attribute_but_not_messages()
 def test_a_listed_function_that_names_no_cuda_is_an_error():
     with pytest.raises(RuntimeError, match="CUDA_LITERAL_SITES"):
         cpu._point_at_cpu(__name__, "_names_nothing")
+    with pytest.raises(RuntimeError, match="CUDA_METHOD_SITES"):
+        cpu._point_at_cpu(__name__, "_names_nothing", names=True)
 
 
 def test_enable_rewrites_the_sites_and_leaves_other_torch_calls_alone():

@@ -1,0 +1,186 @@
+"""Rollout speed: the Megatron KV-cache sampler against HF `transformers` `generate`, same weights, on CPU.
+
+    python benchmarks/rollout.py [--repeats 5] [--sizes 16x64,128x64] [--threads 2]
+
+One process, one rank (a gloo world of one), `torch.set_num_threads(2)`. The reference policy
+(Llama: hidden 128, 4 layers, 4 heads, 2 query groups, FFN 352, vocab 512, fp32) is built at TP=1
+with `models.build.build_model`, and the same weights are copied into a `transformers`
+`LlamaForCausalLM` through the project's HF map (`hf_mapping.iter_hf_weights`); the largest logit
+difference between the two on the prompts is reported, so both sides run the same model.
+
+Both sides sample the same left-padded prompts (lengths 8..16, padded to 16) with temperature 1,
+no top-k, no top-p, exactly `new` tokens per row: EOS is never checked on either side (our
+`eos_id=None`; HF `eos_token_id=None`, so HF adds no EOS stopping criterion and no min-length
+processor). HF uses its defaults otherwise (KV cache on, SDPA attention).
+
+The CPU layer (`parallel/cpu.py`) installs no torch-wide hook: it rewrites a fixed list of
+megatron functions and swaps a few `torch.cuda.*` functions HF does not call on CPU. The script
+checks that no `TorchFunctionMode` is active before timing HF, so HF runs exactly as it would
+without megatron_rlhf.
+
+Timing: one warm-up call per side and size (excluded), then `repeats` calls per side, alternating
+ours and HF so that background load hits both alike; the median wall time gives tokens/s =
+rows * new / time. Prints a side-by-side table, then ONE JSON line (ratio > 1: ours is faster).
+On a machine shared with other jobs, 2 threads make both sides erratic (a thread waits for a busy
+core at every op): compare runs made under the same load, or use --threads 1.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import socket
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+from megatron_rlhf.models.spec import ModelConfig  # noqa: E402
+
+REFERENCE = ModelConfig(
+    num_layers=4, hidden_size=128, ffn_hidden_size=352, num_attention_heads=4, num_query_groups=2,
+    vocab_size=512, max_position_embeddings=256, params_dtype="float32",
+)
+PAD = 0
+PROMPT_LEN = (8, 16)  # shortest, longest prompt (left-padded to the longest)
+
+
+def init_world_of_one(seed: int = 1234) -> None:
+    """torch.distributed (gloo) + Megatron parallel state for one rank, as the unit tests do."""
+    from megatron_rlhf.parallel import init
+    from megatron_rlhf.parallel.layout import ParallelConfig
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK="0", WORLD_SIZE="1", LOCAL_RANK="0")
+    init.initialize(ParallelConfig(), seed=seed)
+
+
+def build_policy(cfg: ModelConfig):
+    from megatron_rlhf.models.build import build_model
+    from megatron_rlhf.parallel.layout import ParallelConfig
+
+    (model,) = build_model(cfg, ParallelConfig())
+    return model.eval()
+
+
+def to_hf(model, cfg: ModelConfig):
+    """The same weights as a `transformers.LlamaForCausalLM` (fp32, eval)."""
+    import transformers as tr
+
+    from megatron_rlhf.checkpoint.hf import hf_config_from_model_config
+    from megatron_rlhf.models.hf_mapping import iter_hf_weights
+
+    hf_cfg = {k: v for k, v in hf_config_from_model_config(cfg).items() if k != "model_type"}
+    hf = tr.LlamaForCausalLM(tr.LlamaConfig(**hf_cfg, dtype=torch.float32))
+    hf.load_state_dict(dict(iter_hf_weights([model], cfg)), strict=True)
+    return hf.eval()
+
+
+def prompts(rows: int, vocab: int, seed: int):
+    """LEFT-padded ids [rows, longest] and their mask (True on real tokens)."""
+    g = torch.Generator().manual_seed(seed)
+    lo, hi = PROMPT_LEN
+    lengths = torch.randint(lo, hi + 1, (rows,), generator=g)
+    ids = torch.randint(1, vocab, (rows, hi), generator=g)
+    mask = torch.arange(hi).unsqueeze(0) >= (hi - lengths).unsqueeze(1)
+    return ids.masked_fill(~mask, PAD), mask
+
+
+@torch.no_grad()
+def max_logit_diff(model, hf, ids, mask) -> float:
+    """Largest |logit| difference on the last prompt position of each row (no padding: one row at a time)."""
+    worst = 0.0
+    for row, m in zip(ids, mask):
+        x = row[m].unsqueeze(0)
+        pos = torch.arange(x.shape[1]).unsqueeze(0)
+        ours = model(x, pos, None)[0, -1, : REFERENCE.vocab_size]
+        theirs = hf(input_ids=x).logits[0, -1]
+        worst = max(worst, (ours - theirs).abs().max().item())
+    return worst
+
+
+def sample_ours(model, ids, mask, new: int, seed: int):
+    from megatron_rlhf.rollout.megatron_engine import generate
+
+    out = generate(model, ids, prompt_mask=mask, max_new_tokens=new, eos_id=None, pad_id=PAD,
+                   vocab_size=REFERENCE.vocab_size, temperature=1.0, seed=seed)
+    assert bool(out["lengths"].eq(new).all()), "every row must generate exactly `new` tokens"
+    return out
+
+
+def sample_hf(hf, ids, mask, new: int, seed: int):
+    torch.manual_seed(seed)
+    out = hf.generate(input_ids=ids, attention_mask=mask.long(), do_sample=True, temperature=1.0, top_k=0,
+                      top_p=1.0, min_new_tokens=new, max_new_tokens=new, eos_token_id=None, pad_token_id=PAD)
+    assert out.shape[1] == ids.shape[1] + new, "HF must generate exactly `new` tokens per row"
+    return out
+
+
+def no_torch_function_mode() -> bool:
+    return torch._C._len_torch_function_stack() == 0
+
+
+def measure(model, hf, rows: int, new: int, repeats: int) -> dict:
+    ids, mask = prompts(rows, REFERENCE.vocab_size, seed=rows)
+    sample_ours(model, ids, mask, new, seed=0)  # warm-up
+    sample_hf(hf, ids, mask, new, seed=0)
+    ours, theirs = [], []
+    for r in range(repeats):
+        t = time.perf_counter()
+        sample_ours(model, ids, mask, new, seed=r + 1)
+        ours.append(time.perf_counter() - t)
+        assert no_torch_function_mode(), "a TorchFunctionMode is active: HF would not run as it does alone"
+        t = time.perf_counter()
+        sample_hf(hf, ids, mask, new, seed=r + 1)
+        theirs.append(time.perf_counter() - t)
+    tokens = rows * new
+    ours_tps, hf_tps = tokens / statistics.median(ours), tokens / statistics.median(theirs)
+    return {"megatron_tokens_per_s": ours_tps, "hf_tokens_per_s": hf_tps, "ratio": ours_tps / hf_tps}
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--sizes", default="16x64,128x64", help="comma-separated ROWSxNEW_TOKENS")
+    parser.add_argument("--threads", type=int, default=2)
+    args = parser.parse_args(argv)
+    torch.set_num_threads(args.threads)
+
+    init_world_of_one()
+    model = build_policy(REFERENCE)
+    hf = to_hf(model, REFERENCE)
+    ids, mask = prompts(8, REFERENCE.vocab_size, seed=0)
+    diff = max_logit_diff(model, hf, ids, mask)
+
+    results = {}
+    print(f"{'rows x new':>11} | {'megatron tok/s':>14} | {'HF generate tok/s':>17} | ratio")
+    for size in args.sizes.split(","):
+        rows, new = map(int, size.split("x"))
+        r = measure(model, hf, rows, new, args.repeats)
+        print(f"{size:>11} | {r['megatron_tokens_per_s']:14.0f} | {r['hf_tokens_per_s']:17.0f} | {r['ratio']:.2f}")
+        results[f"tokens_per_s_ratio_vs_hf_{size}"] = round(r["ratio"], 3)
+        results[f"megatron_tokens_per_s_{size}"] = round(r["megatron_tokens_per_s"], 1)
+        results[f"hf_tokens_per_s_{size}"] = round(r["hf_tokens_per_s"], 1)
+    results.update(max_abs_logit_diff_vs_hf=diff, torch_threads=args.threads, repeats=args.repeats)
+
+    # A 2-rank part (training layout -> generation layout weight swap, under torchrun) is to be added
+    # here by its owner: run it in its own torchrun process and merge its figures into `results`.
+
+    from megatron_rlhf.parallel import init
+
+    init.destroy()
+    print(json.dumps(results))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
