@@ -6,7 +6,6 @@ import os
 import shutil
 
 import pytest
-import torch
 
 from megatron_rlhf.checkpoint import state as ckpt
 from megatron_rlhf.models.build import build_model
