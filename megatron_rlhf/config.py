@@ -93,6 +93,7 @@ _EXTERNAL_HELP = {
     "parallel.cp": "context-parallel size",
     "parallel.sequence_parallel": "shard activations along the sequence (needs tp > 1)",
     "parallel.use_distributed_optimizer": "shard optimizer state over data-parallel ranks",
+    "parallel.recompute": "activation recompute: null (off) | selective (attention) | full (every layer)",
     "fp8.format": "e4m3 | hybrid | null (off); GPU with Transformer Engine only",
     "fp8.recipe": "delayed | tensorwise | mxfp8 | blockwise",
     "fp8.amax_history_len": "amax history length (delayed scaling)",
