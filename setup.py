@@ -24,7 +24,8 @@ setup(
         # GPU-only paths, imported lazily. NVIDIA Apex is used when importable (NGC containers);
         # the registry package named "apex" is unrelated and must never be a dependency.
         "gpu": ["transformer-engine[pytorch]", "vllm"],
-        "slurm": ["nemo-run"],
+        # nemo-run 0.11.1 imports leptonai.api.v1, which leptonai 0.47 removed.
+        "slurm": ["nemo-run==0.11.1", "leptonai<0.47"],
     },
     entry_points={"console_scripts": ["megatron-rlhf=megatron_rlhf.cli:main"]},
 )
