@@ -127,9 +127,11 @@ def test_cluster_yaml_errors_are_one_line(tmp_path):
 
 def test_srun_only_environment_gives_rank_and_world(monkeypatch):
     """One task per GPU under plain srun (no launcher): rank, world size and local rank come from Slurm."""
-    code = ("from megatron_rlhf.parallel.init import dist_env; e = dist_env(); "
-            "print(e.rank, e.world_size, e.local_rank, e.master_addr)")
-    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
-    env.update(SLURM_PROCID="13", SLURM_NTASKS="16", SLURM_LOCALID="5", MASTER_ADDR="node001", PYTHONPATH=ROOT)
-    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
-    assert out.stdout.split() == ["13", "16", "5", "node001"], out.stderr
+    from megatron_rlhf.parallel.init import dist_env
+
+    for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK"):
+        monkeypatch.delenv(key, raising=False)
+    for key, value in dict(SLURM_PROCID="13", SLURM_NTASKS="16", SLURM_LOCALID="5", MASTER_ADDR="node001").items():
+        monkeypatch.setenv(key, value)
+    e = dist_env()  # reads os.environ, as the entry point does
+    assert (e.rank, e.world_size, e.local_rank, e.master_addr) == (13, 16, 5, "node001")
