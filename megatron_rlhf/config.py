@@ -94,6 +94,7 @@ _EXTERNAL_HELP = {
     "parallel.cp": "context-parallel size",
     "parallel.sequence_parallel": "shard activations along the sequence (needs tp > 1)",
     "parallel.use_distributed_optimizer": "shard optimizer state over data-parallel ranks",
+    "parallel.recompute": "activation recompute: null (off) | selective (attention) | full (every layer)",
     "fp8.format": "e4m3 | hybrid | null (off); GPU with Transformer Engine only",
     "fp8.recipe": "delayed | tensorwise | mxfp8 | blockwise",
     "fp8.amax_history_len": "amax history length (delayed scaling)",
@@ -293,7 +294,7 @@ def read_model_config(directory: str) -> Optional[ModelConfig]:
     return None
 
 
-def _resolve_model(section: ModelSection, explicit: frozenset = frozenset()) -> None:
+def resolve_model(section: ModelSection, explicit: frozenset = frozenset()) -> None:
     """Fill the inline architecture fields from hf_config / load (see ModelSection)."""
     source, arch = None, None
     if section.hf_config is not None:
@@ -322,7 +323,7 @@ def _resolve_model(section: ModelSection, explicit: frozenset = frozenset()) -> 
 def _finalize(cfg: Any, explicit: frozenset = frozenset()) -> None:
     """Derived defaults that depend on other keys (written into the resolved config)."""
     if isinstance(cfg, RunConfig):
-        _resolve_model(cfg.model, frozenset(explicit))
+        resolve_model(cfg.model, frozenset(explicit))
         if cfg.data.seed is None:
             cfg.data.seed = cfg.train.seed
         if cfg.checkpoint.dir is None:

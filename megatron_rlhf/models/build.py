@@ -38,7 +38,7 @@ def build_model_chunk(
     scalar = head == "scalar"
     gpt = GPTModel(
         config=config,
-        transformer_layer_spec=layer_spec(),
+        transformer_layer_spec=layer_spec(te=True if fp8 is not None and fp8.format is not None else None),
         vocab_size=model.padded_vocab_size(parallel.tp),
         max_sequence_length=model.max_position_embeddings,
         pre_process=pre_process,
