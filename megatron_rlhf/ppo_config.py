@@ -82,7 +82,8 @@ def validate_ppo(cfg) -> None:
 
 
 def check_ppo_layout(cfg, dp_size: int) -> None:
-    """The rollout and minibatch split over data-parallel ranks and micro-batches (one clear error)."""
+    """The rollout and minibatch split over data-parallel ranks and micro-batches, and the generation
+    layout (`rollout` group) against the world size (one clear error)."""
     from megatron_rlhf.fields import ConfigError
 
     p, mbs = cfg.ppo, cfg.train.micro_batch_size
@@ -90,8 +91,12 @@ def check_ppo_layout(cfg, dp_size: int) -> None:
         raise ConfigError(
             f"ppo.minibatch_size={p.minibatch_size} is not divisible by data-parallel size * train.micro_batch_size "
             f"= {dp_size}*{mbs}: change one of them")
-    if cfg.parallel.pp > 1 or cfg.parallel.cp > 1 or cfg.parallel.sequence_parallel:
+    if cfg.parallel.cp > 1 or cfg.parallel.sequence_parallel:
         raise ConfigError(
-            "the PPO stage generates with the Megatron sampler in the training layout, which needs "
-            f"parallel.pp=1, cp=1 and no sequence_parallel (got pp={cfg.parallel.pp}, cp={cfg.parallel.cp}, "
-            f"sequence_parallel={cfg.parallel.sequence_parallel}); use tp and dp for now")
+            "the PPO stage supports tp, pp (and vpp) and dp; got "
+            f"parallel.cp={cfg.parallel.cp}, sequence_parallel={cfg.parallel.sequence_parallel}: use cp=1 and no "
+            "sequence_parallel")
+    from megatron_rlhf.rollout_config import check_rollout
+
+    # Generation runs in its own tp-only layout (rollout/hybrid.py), so any pp trains.
+    check_rollout(cfg, dp_size * cfg.parallel.tp * cfg.parallel.pp * cfg.parallel.cp)
