@@ -45,6 +45,8 @@ class PPOSection:
     doctor: DoctorConfig = _f(help="thresholds of the live warnings (trainer/doctor.py), e.g. ppo.doctor.entropy_fraction=0.1",
                               factory=DoctorConfig)
     max_consecutive_skips: int = _f(3, "stop after this many optimizer steps in a row skipped for NaN/Inf")
+    inference_tp: Optional[int] = _f(None, "reference and reward models in their own layout: TP=this, PP=1, "
+                                     "DP=world/this (loaded resharded); null = the training layout")
     offload_frozen: bool = _f(False, "GPU: keep reference and reward weights on the CPU between uses")
     export_hf: bool = _f(True, "export the final policy to <run_dir>/hf_policy (transformers format)")
 
@@ -99,4 +101,9 @@ def check_ppo_layout(cfg, dp_size: int) -> None:
     from megatron_rlhf.rollout_config import check_rollout
 
     # Generation runs in its own tp-only layout (rollout/hybrid.py), so any pp trains.
-    check_rollout(cfg, dp_size * cfg.parallel.tp * cfg.parallel.pp * cfg.parallel.cp)
+    world = dp_size * cfg.parallel.tp * cfg.parallel.pp * cfg.parallel.cp
+    check_rollout(cfg, world)
+    if p.inference_tp is not None:
+        from megatron_rlhf.rollout_config import check_layout_tp
+
+        check_layout_tp("ppo.inference_tp", p.inference_tp, world, cfg.model.to_model_config(), cfg.parallel.tp)

@@ -51,3 +51,11 @@ def test_training_continues_bit_identically_after_a_swap(results):
         assert c["moved"], "the two optimizer steps changed nothing: the comparison would be vacuous"
         assert c["bit_identical"]
         assert c["same_after_step"] and c["plans_built"] == 1  # the plan is reused and still right
+
+
+def test_reference_and_reward_at_inference_tp1_match_training_tp2(results):
+    for res in results:
+        for name in ("reference", "reward"):
+            got = res["inference_tp1"][name]
+            assert got["shape"] and got["spread"] > 0.01, (name, got)  # varied values, not a constant
+            assert got["max_diff"] <= 1e-5, (name, got)

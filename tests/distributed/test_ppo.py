@@ -123,10 +123,12 @@ def test_exact_resume_and_tp2_match_dp2(base, tmp_path):
 
     torchrun(CLI, *ppo_args(base, tp2, **warm, **{"parallel.tp": 2}), nproc=2, timeout=600)
     assert_same_metrics(a, rows(tp2))
-    # PP=2 trains while generating at TP=1 x DP=2 (rollout/hybrid.py swaps the weights every rollout);
-    # its first 2 iterations (value warm-up, then a policy step, and an eval) match too.
+    # PP=2 trains while generating at TP=1 x DP=2 (rollout/hybrid.py swaps the weights every rollout) and
+    # scoring with reference and reward at ppo.inference_tp=1 (PP=1, DP=2); its first 2 iterations (value
+    # warm-up, then a policy step, and an eval) match too.
     pp2 = tmp_path / "pp2"
-    torchrun(CLI, *ppo_args(base, pp2, **warm, **{"parallel.pp": 2, "ppo.iterations": 2}), nproc=2, timeout=600)
+    torchrun(CLI, *ppo_args(base, pp2, **warm, **{"parallel.pp": 2, "ppo.iterations": 2, "ppo.inference_tp": 1}),
+             nproc=2, timeout=600)
     assert sorted(rows(pp2)) == [0, 1, 2]
     assert_same_metrics({step: a[step] for step in (0, 1, 2)}, rows(pp2))
 

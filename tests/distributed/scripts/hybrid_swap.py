@@ -138,6 +138,41 @@ def lm_loss(output, batch):
     return s, n, {"loss": (s.detach(), n)}
 
 
+def experience(out):
+    from megatron_rlhf.batch import build_experience
+
+    ids, mask, _ = prompts()
+    rows = [r[m].tolist() for r, m in zip(ids, mask)]
+    return build_experience(rows, {k: torch.tensor(v) for k, v in out.items()}, PAD)
+
+
+def frozen_in_inference_layout(chunks, parallel, ckpt_root, generated):
+    """Reference (the policy) and a reward model saved from training TP=2, loaded at inference TP=1:
+    response log-probs and scores against the training-layout models (max |difference|)."""
+    from types import SimpleNamespace
+
+    from megatron_rlhf.checkpoint import state as ckpt
+    from megatron_rlhf.rollout.hybrid import tp_only_layout
+    from megatron_rlhf.trainer.experience import forward_collect, last_token_scores, response_logprobs
+    from megatron_rlhf.trainer.inference_layout import build_inference_model
+
+    torch.manual_seed(9)
+    reward = build_model(CFG, parallel, head="scalar")
+    torch.nn.init.normal_(reward[-1].output_layer.weight, std=0.1)  # a zero head would score every row 0
+    ckpt.save_checkpoint(ckpt_root, 1, {"policy": chunks, "reward": reward}, {}, {}, {})
+    mbs = experience(generated).microbatches(2)
+    layout, cfg = tp_only_layout(1), SimpleNamespace(parallel=parallel)
+    result = {}
+    for name, train_model, head in (("reference", chunks, "lm"), ("reward", reward, "scalar")):
+        extract = last_token_scores if head == "scalar" else (lambda o, mb: response_logprobs(o, mb, VOCAB, 0.8))
+        expected = torch.cat(forward_collect(train_model, mbs, extract))
+        inference = build_inference_model(cfg, CFG, layout, head, ckpt_root, name if head == "scalar" else "policy", 0.8)
+        got = torch.cat(forward_collect(inference, mbs, extract))
+        result[name] = {"max_diff": float((got - expected).abs().max()), "spread": float(expected.std()),
+                        "shape": list(got.shape) == list(expected.shape)}
+    return result
+
+
 def trained_weights(parallel, ckpt_dir, swap_between):
     """Two optimizer steps (with or without a swap + generation after the first) -> full weights."""
     from megatron.core import parallel_state as ps
@@ -177,6 +212,8 @@ def main(out_path, ckpt_dir):
     engine = engine_for(chunks, parallel, 1)
     result["tp2_to_tp1"] = {"out": hybrid_generate(engine, slice(None)),
                             "same": same_weights(engine.model, engine.layout.pg_collection.tp, chunks)}
+    result["inference_tp1"] = frozen_in_inference_layout(chunks, parallel, os.path.join(ckpt_dir, "frozen"),
+                                                         result["reference"]["sample"])
     # Phase pp2 -> the same generation model, a new source layout: the cached plan must go.
     gen_model, gen_tp = engine.model, engine.layout.pg_collection.tp
     old_plan = getattr(gen_model, "_cached_reshard_plan")
