@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
-from typing import Dict, List, Optional, Sequence
+from typing import Callable, Dict, List, Optional, Sequence
 
 import torch
 import torch.distributed as dist
@@ -193,6 +193,29 @@ def training_share_index() -> tuple[int, bool]:
     return ps.get_data_parallel_rank(), rep
 
 
+def generate_in_layout(layout: Layout, decode: Callable, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor,
+                       uniforms: Optional[torch.Tensor], pad_id: int) -> Dict[str, torch.Tensor]:
+    """Training shares in, the responses to them out; decoded split over `layout`'s DP ranks (collective).
+
+    decode(input_ids [n, s], attention_mask [n, s], uniforms [n, T] | None) -> base.py's dict for those rows,
+    identical on the TP ranks of a `layout` group (the sampler broadcasts TP rank 0's tokens)."""
+    index, rep = training_share_index()
+    mine = {"input_ids": prompt_ids, "attention_mask": prompt_mask.bool()}
+    if uniforms is not None:
+        mine["uniforms"] = uniforms
+    shares = R.gather_shares(mine if rep else None, index)
+    batch = R.concat_prompts(shares, pad_id)
+    total = batch["input_ids"].shape[0]
+    rows, _ = R.part_rows(total, layout.dp, layout.dp_rank)
+    part = R.take(batch, rows)
+    out = decode(part["input_ids"], part["attention_mask"], part.get("uniforms"))
+    decoded = R.gather_shares(out if layout.tp_rank == 0 else None, layout.dp_rank)
+    reals = [R.part_rows(total, layout.dp, g)[1] for g in range(layout.dp)]
+    everything = R.concat_parts(decoded, reals)
+    sizes = [s["input_ids"].shape[0] for s in shares]
+    return {k: v[R.share_bounds(sizes, index)].to(prompt_ids.device) for k, v in everything.items()}
+
+
 class HybridRolloutEngine(RolloutEngine):
     """Generation in a tp-only layout with a resharded copy of the policy (module docstring)."""
 
@@ -208,24 +231,14 @@ class HybridRolloutEngine(RolloutEngine):
     def generate(self, prompt_ids, prompt_mask, sampling: SamplingParams, generator=None, uniforms=None):
         """This rank's training share of prompts [b, s] -> responses to them (base.py's dict, [b, T])."""
         self.swap()  # the weights of the latest optimizer step
-        index, rep = training_share_index()
-        mine = {"input_ids": prompt_ids, "attention_mask": prompt_mask.bool()}
-        if uniforms is not None:
-            mine["uniforms"] = uniforms
-        shares = R.gather_shares(mine if rep else None, index)
-        batch = R.concat_prompts(shares, self.pad_id)
-        total = batch["input_ids"].shape[0]
-        rows, real = R.part_rows(total, self.layout.dp, self.layout.dp_rank)
-        part = R.take(batch, rows)
-        out = generate(self.model, part["input_ids"], prompt_mask=part["attention_mask"],
-                       max_new_tokens=sampling.max_new_tokens, eos_id=self.eos_id, pad_id=self.pad_id,
-                       vocab_size=self.vocab_size, temperature=sampling.temperature, greedy=sampling.greedy,
-                       generator=generator, uniforms=part.get("uniforms"))
-        decoded = R.gather_shares(out if self.layout.tp_rank == 0 else None, self.layout.dp_rank)
-        reals = [R.part_rows(total, self.layout.dp, g)[1] for g in range(self.layout.dp)]
-        everything = R.concat_parts(decoded, reals)
-        sizes = [s["input_ids"].shape[0] for s in shares]
-        return {k: v[R.share_bounds(sizes, index)].to(prompt_ids.device) for k, v in everything.items()}
+
+        def decode(ids, mask, draws):
+            return generate(self.model, ids, prompt_mask=mask, max_new_tokens=sampling.max_new_tokens,
+                            eos_id=self.eos_id, pad_id=self.pad_id, vocab_size=self.vocab_size,
+                            temperature=sampling.temperature, greedy=sampling.greedy, generator=generator,
+                            uniforms=draws)
+
+        return generate_in_layout(self.layout, decode, prompt_ids, prompt_mask, uniforms, self.pad_id)
 
     def update_weights(self, named_tensors) -> None:
         raise NotImplementedError("the hybrid engine pulls the policy's weights itself before each generate "
@@ -243,12 +256,15 @@ def make_rollout_engine(cfg, model_cfg, train_chunks: List[torch.nn.Module], tok
     from megatron_rlhf.rollout_config import generation_tp
 
     kw = dict(eos_id=tokenizer.eos_token_id, pad_id=tokenizer.pad_token_id, vocab_size=model_cfg.vocab_size)
-    if cfg.rollout.engine == "vllm":
-        from megatron_rlhf.rollout.vllm_engine import require_vllm
-
-        require_vllm()
-        raise NotImplementedError("rollout.engine=vllm is not wired into the PPO stage yet: use rollout.engine=megatron")
     tp = generation_tp(cfg)
+    if cfg.rollout.engine == "vllm":
+        import os
+
+        from megatron_rlhf.rollout.vllm_engine import VLLMRolloutEngine
+
+        return VLLMRolloutEngine(train_chunks, model_cfg, tp, os.path.join(cfg.logging.run_dir, "vllm_config"),
+                                 eos_id=kw["eos_id"], pad_id=kw["pad_id"], bucket_mb=cfg.rollout.bucket_mb,
+                                 seed=cfg.train.seed)
     if same_layout(cfg.parallel, tp):
         return MegatronRolloutEngine(train_chunks, **kw)
     return HybridRolloutEngine(train_chunks, model_cfg, cfg.parallel.tp, tp, **kw)

@@ -75,3 +75,16 @@ def test_vllm_on_cpu_is_a_one_line_error():
     with pytest.raises(ConfigError) as e:
         require_vllm()
     assert "rollout.engine=vllm needs CUDA" in str(e.value) and "\n" not in str(e.value)
+
+
+def test_vllm_weight_buckets_and_response_packing():
+    from megatron_rlhf.rollout.vllm_engine import buckets, responses
+
+    tensors = [(f"w{i}", torch.zeros(256)) for i in range(5)]  # 1 KiB each (fp32)
+    sizes = [[n for n, _ in b] for b in buckets(tensors, 2048)]
+    assert sizes == [["w0", "w1"], ["w2", "w3"], ["w4"]]
+    out = responses([[5, 9], [4, 4, 4]], [[-0.5, -1.0], [-0.1, -0.2, -0.3]], [True, False], T=3, pad_id=0)
+    assert out["response_ids"].tolist() == [[5, 9, 0], [4, 4, 4]]
+    assert out["response_mask"].tolist() == [[1, 1, 0], [1, 1, 1]]
+    assert out["lengths"].tolist() == [2, 3] and out["ended"].tolist() == [True, False]
+    assert out["logprobs"][0].tolist() == pytest.approx([-0.5, -1.0, 0.0])
