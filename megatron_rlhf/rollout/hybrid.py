@@ -155,7 +155,7 @@ class WeightSwap:
 
         self.source = ChunksAsOne(train_chunks)
         self.target = unwrap_model(target)
-        if self.source.pg_collection.dp is None:  # resharding needs the source DP group
+        if getattr(self.source.pg_collection, "dp", None) is None:  # resharding needs the source DP group
             from megatron.core import parallel_state as ps
 
             self.source.pg_collection.dp = ps.get_data_parallel_group()

@@ -35,7 +35,7 @@ def gather_shares(share: Optional[Rows], index: int) -> List[Rows]:
         share = {k: v.detach().cpu() for k, v in share.items()}
     gathered: List[Optional[Tuple[int, Optional[Rows]]]] = [None] * dist.get_world_size()
     dist.all_gather_object(gathered, (index, share))
-    found = sorted((i, s) for i, s in gathered if s is not None) if gathered else []
+    found = sorted(((i, s) for i, s in gathered if s is not None), key=lambda pair: pair[0])
     indices = [i for i, _ in found]
     if indices != list(range(len(indices))):
         raise RuntimeError(f"rollout redistribution: expected one representative per part 0..n-1, got parts {indices}")
