@@ -193,27 +193,41 @@ def training_share_index() -> tuple[int, bool]:
     return ps.get_data_parallel_rank(), rep
 
 
+def run_in_layout(layout: Layout, mine: Dict[str, torch.Tensor], concat: Callable, fn: Callable) -> Dict[str, torch.Tensor]:
+    """The rows of all training shares, processed split over `layout`'s DP ranks; this share's results back.
+
+    mine: this rank's training-share rows (every tensor [n, ...]); concat(list of shares) -> the global batch
+    in training DP order; fn(rows of the global batch) -> dict of [rows, ...] results, identical on the TP
+    ranks of a `layout` group (only TP rank 0's are gathered). Collective over the world."""
+    index, rep = training_share_index()
+    shares = R.gather_shares(mine if rep else None, index)
+    batch = concat(shares)
+    total = _rows_in(batch)
+    rows, _ = R.part_rows(total, layout.dp, layout.dp_rank)
+    out = fn(R.take(batch, rows))
+    parts = R.gather_shares(out if layout.tp_rank == 0 else None, layout.dp_rank)
+    reals = [R.part_rows(total, layout.dp, g)[1] for g in range(layout.dp)]
+    everything = R.concat_parts(parts, reals)
+    sizes = [_rows_in(s) for s in shares]
+    return {k: v[R.share_bounds(sizes, index)] for k, v in everything.items()}
+
+
+def _rows_in(rows: Dict[str, torch.Tensor]) -> int:
+    return next(iter(rows.values())).shape[0]
+
+
 def generate_in_layout(layout: Layout, decode: Callable, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor,
                        uniforms: Optional[torch.Tensor], pad_id: int) -> Dict[str, torch.Tensor]:
-    """Training shares in, the responses to them out; decoded split over `layout`'s DP ranks (collective).
+    """Training shares of prompts in, the responses to them out; decoded split over `layout`'s DP ranks.
 
     decode(input_ids [n, s], attention_mask [n, s], uniforms [n, T] | None) -> base.py's dict for those rows,
     identical on the TP ranks of a `layout` group (the sampler broadcasts TP rank 0's tokens)."""
-    index, rep = training_share_index()
     mine = {"input_ids": prompt_ids, "attention_mask": prompt_mask.bool()}
     if uniforms is not None:
         mine["uniforms"] = uniforms
-    shares = R.gather_shares(mine if rep else None, index)
-    batch = R.concat_prompts(shares, pad_id)
-    total = batch["input_ids"].shape[0]
-    rows, _ = R.part_rows(total, layout.dp, layout.dp_rank)
-    part = R.take(batch, rows)
-    out = decode(part["input_ids"], part["attention_mask"], part.get("uniforms"))
-    decoded = R.gather_shares(out if layout.tp_rank == 0 else None, layout.dp_rank)
-    reals = [R.part_rows(total, layout.dp, g)[1] for g in range(layout.dp)]
-    everything = R.concat_parts(decoded, reals)
-    sizes = [s["input_ids"].shape[0] for s in shares]
-    return {k: v[R.share_bounds(sizes, index)].to(prompt_ids.device) for k, v in everything.items()}
+    out = run_in_layout(layout, mine, lambda shares: R.concat_prompts(shares, pad_id),
+                        lambda part: decode(part["input_ids"], part["attention_mask"], part.get("uniforms")))
+    return {k: v.to(prompt_ids.device) for k, v in out.items()}
 
 
 class HybridRolloutEngine(RolloutEngine):

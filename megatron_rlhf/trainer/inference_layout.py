@@ -17,7 +17,7 @@ import torch
 
 from megatron_rlhf.models.logprobs import token_logprobs
 from megatron_rlhf.rollout import redistribute as R
-from megatron_rlhf.rollout.hybrid import Layout, build_in_layout, training_share_index
+from megatron_rlhf.rollout.hybrid import Layout, build_in_layout, run_in_layout
 
 ROW_KEYS = ("input_ids", "prompt_lengths", "response_ids", "response_mask")
 
@@ -35,22 +35,16 @@ class InferenceModel:
 
     def collect_rows(self, microbatches: List[Dict[str, torch.Tensor]]) -> torch.Tensor:
         """This rank's training-share micro-batches (Experience.microbatches) -> results for their rows."""
-        mine = _rows(microbatches)
-        index, rep = training_share_index()
-        shares = R.gather_shares(mine if rep else None, index)
-        batch = _concat_rows(shares)
-        total = batch["input_ids"].shape[0]
-        rows, _ = R.part_rows(total, self.layout.dp, self.layout.dp_rank)
         size = microbatches[0]["input_ids"].shape[0]
-        part = R.take(batch, rows)
-        with torch.no_grad():
-            out = torch.cat([self._forward(R.take(part, torch.arange(s, min(s + size, len(rows)))))
-                             for s in range(0, len(rows), size)])
-        parts = R.gather_shares({"out": out} if self.layout.tp_rank == 0 else None, self.layout.dp_rank)
-        reals = [R.part_rows(total, self.layout.dp, g)[1] for g in range(self.layout.dp)]
-        everything = R.concat_parts(parts, reals)["out"]
-        sizes = [s["input_ids"].shape[0] for s in shares]
-        return everything[R.share_bounds(sizes, index)].to(microbatches[0]["input_ids"].device)
+
+        def forward(part: Dict[str, torch.Tensor]) -> Dict[str, torch.Tensor]:
+            n = part["input_ids"].shape[0]
+            with torch.no_grad():
+                return {"out": torch.cat([self._forward(R.take(part, torch.arange(s, min(s + size, n))))
+                                          for s in range(0, n, size)])}
+
+        out = run_in_layout(self.layout, _rows(microbatches), _concat_rows, forward)["out"]
+        return out.to(microbatches[0]["input_ids"].device)
 
     def _forward(self, mb: Dict[str, torch.Tensor]) -> torch.Tensor:
         from megatron_rlhf.trainer.step import position_ids_for
