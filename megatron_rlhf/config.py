@@ -32,6 +32,7 @@ from megatron_rlhf.fields import ConfigError, help_field as _f, require as _requ
 from megatron_rlhf.models.spec import ModelConfig, model_config_from_hf
 from megatron_rlhf.parallel.layout import Fp8Config, ParallelConfig
 from megatron_rlhf.ppo_config import PPOSection, validate_ppo
+from megatron_rlhf.rollout_config import RolloutSection
 
 
 # --------------------------------------------------------------------------------------------
@@ -225,6 +226,7 @@ class PPOConfig(RunConfig):
     """
 
     ppo: PPOSection = field(default_factory=PPOSection)
+    rollout: RolloutSection = field(default_factory=RolloutSection)
 
 
 # --------------------------------------------------------------------------------------------

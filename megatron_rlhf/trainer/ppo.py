@@ -28,7 +28,7 @@ from megatron_rlhf.metrics import peak_memory_gib
 from megatron_rlhf.parallel import init
 from megatron_rlhf.ppo_config import check_ppo_layout
 from megatron_rlhf.rollout.base import SamplingParams
-from megatron_rlhf.rollout.megatron_engine import MegatronRolloutEngine
+from megatron_rlhf.rollout.hybrid import make_rollout_engine
 from megatron_rlhf.trainer.doctor import Doctor
 from megatron_rlhf.trainer.experience import Frozen, estimate_advantages, rollout_stats, score_and_recompute
 from megatron_rlhf.trainer.ppo_eval import evaluate, generate, load_gold_scorer, sample_panel, summary, uniforms
@@ -96,7 +96,7 @@ def fit(cfg) -> Dict[str, float]:
             "data": sampler.state_dict(), "kl": kl_ctl.state_dict(), "doctor": doctor.state_dict(),
             "steps_done": steps_done, "baseline": baseline, "last_eval": last_eval}, keep_last=cfg.checkpoint.keep_last)
 
-    engine = MegatronRolloutEngine(m.policy.chunks, eos_id=tok.eos_token_id, pad_id=tok.pad_token_id, vocab_size=vocab)
+    engine = make_rollout_engine(cfg, ctx.model_cfg, m.policy.chunks, tok)  # rollout.tp: own layout if needed
     def evaluate_policy() -> Dict[str, float]:
         if not eval_prompts:
             return {}
