@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from megatron_rlhf import config as C
-from megatron_rlhf.batch import Experience, build_experience
+from megatron_rlhf.batch import build_experience
 from megatron_rlhf.ppo_config import check_ppo_layout
 from megatron_rlhf.trainer.ppo_eval import sample_panel, summary, uniforms
 from megatron_rlhf.trainer.ppo_learn import SkipGuard, TrainingDiverged
