@@ -47,6 +47,9 @@ class PPOSection:
     max_consecutive_skips: int = _f(3, "stop after this many optimizer steps in a row skipped for NaN/Inf")
     inference_tp: Optional[int] = _f(None, "reference and reward models in their own layout: TP=this, PP=1, "
                                      "DP=world/this (loaded resharded); null = the training layout")
+    reference_mode: str = _f("separate", "separate: the reference is a second model; swap: its weights stay in host "
+                             "memory and are swapped into the policy for the reference forward",
+                             choices=("separate", "swap"))
     offload_frozen: bool = _f(False, "GPU: keep reference and reward weights on the CPU between uses")
     export_hf: bool = _f(True, "export the final policy to <run_dir>/hf_policy (transformers format)")
 

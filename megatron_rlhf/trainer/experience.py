@@ -74,11 +74,15 @@ def forward_collect(chunks, microbatches: List[Batch], extract: Callable[[torch.
     """Forward-only pass; `extract(output, mb)` per micro-batch, returned on every pipeline rank.
 
     `chunks` may be a frozen model in its own layout (trainer/inference_layout.py): it computes the
-    same quantity for the rows of all micro-batches at once."""
+    same quantity for the rows of all micro-batches at once, or a reference kept in host memory
+    (trainer/reference_swap.py): the policy's chunks run with the reference weights swapped in."""
     from megatron.core import parallel_state as ps
 
     if hasattr(chunks, "collect_rows"):
         return [chunks.collect_rows(microbatches)]
+    if hasattr(chunks, "swaps_into"):
+        with chunks.swapped() as policy:
+            return forward_collect(policy, microbatches, extract)
 
     def forward_step(data_iterator, model):
         mb = next(data_iterator)

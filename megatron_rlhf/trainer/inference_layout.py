@@ -98,11 +98,12 @@ def build_inference_model(cfg, model_cfg, layout: Layout, head: str, load: str, 
     return InferenceModel(model, layout, head, model_cfg.vocab_size, temperature)
 
 
-def build_frozen_pair(cfg, model_cfg) -> tuple:
-    """(reference, reward) for `ppo.inference_tp`: one layout, both models loaded into it (collective)."""
+def build_frozen_pair(cfg, model_cfg, with_reference: bool = True) -> tuple:
+    """(reference, reward) for `ppo.inference_tp`: one layout, both models loaded into it (collective).
+    `with_reference=False` (ppo.reference_mode=swap): the reward model only; reference is None."""
     from megatron_rlhf.rollout.hybrid import tp_only_layout
 
     layout = tp_only_layout(cfg.ppo.inference_tp)
     t = cfg.ppo.temperature
-    return (build_inference_model(cfg, model_cfg, layout, "lm", cfg.model.load, "policy", t),
-            build_inference_model(cfg, model_cfg, layout, "scalar", cfg.ppo.reward_load, "reward", t))
+    reference = build_inference_model(cfg, model_cfg, layout, "lm", cfg.model.load, "policy", t) if with_reference else None
+    return reference, build_inference_model(cfg, model_cfg, layout, "scalar", cfg.ppo.reward_load, "reward", t)

@@ -2,7 +2,8 @@
 
     policy     trained  (DDP + optimizer)  from model.load (the SFT checkpoint)
     value      trained  (DDP + optimizer)  from ppo.value_load (default: the RM), RM head or a fresh one
-    reference  frozen   (no DDP, no grad)  from model.load
+    reference  frozen   (no DDP, no grad)  from model.load; with ppo.reference_mode=swap, host copies of
+                                           the policy's initial weights swapped into it (reference_swap.py)
     reward     frozen   (no DDP, no grad)  from ppo.reward_load; its checkpoint's reward_calibration
 
 Frozen models get `requires_grad=False` and, on GPU with `ppo.offload_frozen`, live in host memory
@@ -13,11 +14,12 @@ from __future__ import annotations
 
 import contextlib
 from dataclasses import dataclass
-from typing import Dict, Iterator, List
+from typing import Dict, Iterator, List, Union
 
 import torch
 
 from megatron_rlhf.checkpoint import state as ckpt
+from megatron_rlhf.trainer.reference_swap import HostReference
 from megatron_rlhf.trainer.run import RunContext, Trainable, build_frozen, build_trainable, with_lr
 
 
@@ -25,7 +27,7 @@ from megatron_rlhf.trainer.run import RunContext, Trainable, build_frozen, build
 class PPOModels:
     policy: Trainable
     value: Trainable
-    reference: List[torch.nn.Module]
+    reference: Union[List[torch.nn.Module], HostReference]
     reward: List[torch.nn.Module]
     reward_mean: float
     reward_std: float
@@ -67,16 +69,19 @@ def build_ppo_models(cfg, ctx: RunContext, total_steps: int) -> PPOModels:
     p = cfg.ppo
     torch.manual_seed(cfg.train.seed)
     policy = build_trainable(cfg, ctx, "lm", cfg.model.load, "policy", total_steps, check_for_nan_in_grad=False)
+    # ppo.reference_mode=swap: the reference is the policy as loaded (both from model.load), kept in host memory
+    swapped = HostReference(policy.chunks) if p.reference_mode == "swap" else None
     value_from = p.value_load or p.reward_load
     value = build_trainable(cfg, ctx, "scalar", value_from, "reward", total_steps, train_cfg=with_lr(cfg.train, p.value_lr),
                             skip_head=p.value_head == "fresh", check_for_nan_in_grad=False)
     if p.inference_tp is None:
-        reference = _freeze(build_frozen(cfg, ctx, "lm", cfg.model.load, "policy"))
+        reference = swapped if swapped is not None else _freeze(build_frozen(cfg, ctx, "lm", cfg.model.load, "policy"))
         reward = _freeze(build_frozen(cfg, ctx, "scalar", p.reward_load, "reward"))
     else:  # their own layout, TP = ppo.inference_tp and PP = 1 (trainer/inference_layout.py)
         from megatron_rlhf.trainer.inference_layout import build_frozen_pair
 
-        reference, reward = build_frozen_pair(cfg, ctx.model_cfg)
+        reference, reward = build_frozen_pair(cfg, ctx.model_cfg, with_reference=swapped is None)
+        reference = swapped if swapped is not None else reference
     mean, std = 0.0, 1.0
     if p.normalize_reward:
         cal = reward_calibration(p.reward_load)
