@@ -29,6 +29,7 @@ from megatron_rlhf.parallel import init
 from megatron_rlhf.ppo_config import check_ppo_layout
 from megatron_rlhf.rollout.base import SamplingParams
 from megatron_rlhf.rollout.hybrid import make_rollout_engine
+from megatron_rlhf.rollout.offload import PhaseMemory, offloaded
 from megatron_rlhf.trainer.doctor import Doctor
 from megatron_rlhf.trainer.experience import Frozen, estimate_advantages, rollout_stats, score_and_recompute
 from megatron_rlhf.trainer.ppo_eval import evaluate, generate, load_gold_scorer, sample_panel, summary, uniforms
@@ -104,7 +105,7 @@ def fit(cfg) -> Dict[str, float]:
             return evaluate(engine, m.forward_models(), frozen, eval_prompts, cfg, ctx.dp_rank, ctx.dp_size, tok,
                             gold, dp_group)
 
-    metrics = open_metrics(cfg, ctx, p.iterations, iteration, namespaces=NAMESPACES, desc="ppo")
+    metrics = PhaseMemory(open_metrics(cfg, ctx, p.iterations, iteration, namespaces=NAMESPACES, desc="ppo"))
     guard, stop = SkipGuard(p.max_consecutive_skips, log), StopFlag()
     if baseline is None:  # iteration 0: the SFT policy, the reference point of summary.json
         baseline = last_eval = evaluate_policy()
@@ -112,7 +113,7 @@ def fit(cfg) -> Dict[str, float]:
     stop_at, resumed_at = min(p.iterations, cfg.train.exit_at_step or p.iterations), iteration
     while iteration < stop_at:
         with metrics.timer("time/iteration") as timing:
-            with metrics.timer("time/rollout"):
+            with metrics.timer("time/rollout"), offloaded([m.policy, m.value]):  # grads + optimizer state to host
                 exp = rollout(engine, train_prompts, next(sampler), cfg, iteration, ctx.dp_rank, tok)
             with metrics.timer("time/score"), m.frozen_on_device():
                 score_and_recompute(exp, m.forward_models(), frozen, cfg.train.micro_batch_size)
