@@ -1,6 +1,12 @@
-"""Rollout speed: the Megatron KV-cache sampler against HF `transformers` `generate`, same weights, on CPU.
+"""Rollout speed: the Megatron KV-cache sampler against HF `transformers` `generate`, same weights, on CPU,
+and the weight swap training TP=2 -> generation TP=1 against a plain copy of the same bytes.
 
     python benchmarks/rollout.py [--repeats 5] [--sizes 16x64,128x64] [--threads 2]
+                                 [--parts generate,swap] [--swap-hidden 512]
+
+With no arguments every part runs. The swap part (`swap_ratio_vs_memcpy` and friends) runs on 2 ranks:
+this script starts benchmarks/rollout_swap.py under torchrun itself, after the one-rank part has
+finished, and merges its figures into the final JSON line (its docstring says what is timed).
 
 One process, one rank (a gloo world of one), `torch.set_num_threads(2)`. The reference policy
 (Llama: hidden 128, 4 layers, 4 heads, 2 query groups, FFN 352, vocab 512, fp32) is built at TP=1
@@ -152,9 +158,26 @@ def main(argv=None) -> int:
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--sizes", default="16x64,128x64", help="comma-separated ROWSxNEW_TOKENS")
     parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--parts", default="generate,swap", help="comma-separated: generate (1 rank), swap (2 ranks)")
+    parser.add_argument("--swap-hidden", type=int, default=512, help="hidden size of the swapped model (FFN 2.75x)")
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
 
+    results = {}
+    if "generate" in args.parts.split(","):
+        results = generation_part(args)
+    if "swap" in args.parts.split(","):
+        swap = run_swap_part(args.swap_hidden, args.repeats)
+        print(f"weight swap TP=2 -> TP=1 (2 ranks, {swap['swap_bytes_per_rank'] / 2**20:.0f} MiB per rank): "
+              f"{swap['swap_gib_per_s']:.2f} GiB/s, plain copy {swap['memcpy_gib_per_s']:.2f} GiB/s, "
+              f"ratio {swap['swap_ratio_vs_memcpy']:.2f}")
+        results.update({k: round(v, 4) if isinstance(v, float) else v for k, v in swap.items()})
+    print(json.dumps(results))
+    return 0
+
+
+def generation_part(args) -> dict:
+    """Tokens per second, ours against HF `generate`, one rank (module docstring)."""
     init_world_of_one()
     model = build_policy(REFERENCE)
     hf = to_hf(model, REFERENCE)
@@ -172,14 +195,33 @@ def main(argv=None) -> int:
         results[f"hf_tokens_per_s_{size}"] = round(r["hf_tokens_per_s"], 1)
     results.update(max_abs_logit_diff_vs_hf=diff, torch_threads=args.threads, repeats=args.repeats)
 
-    # A 2-rank part (training layout -> generation layout weight swap, under torchrun) is to be added
-    # here by its owner: run it in its own torchrun process and merge its figures into `results`.
-
     from megatron_rlhf.parallel import init
 
     init.destroy()
-    print(json.dumps(results))
-    return 0
+    return results
+
+
+def run_swap_part(hidden: int, repeats: int) -> dict:
+    """benchmarks/rollout_swap.py on 2 ranks under torchrun (its own processes); its figures."""
+    import subprocess
+    import tempfile
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    with tempfile.TemporaryDirectory() as tmp:
+        out = Path(tmp) / "swap.json"
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", "--master_addr=127.0.0.1",
+               f"--master_port={port}", str(ROOT / "benchmarks" / "rollout_swap.py"), str(out),
+               "--hidden", str(hidden), "--repeats", str(repeats)]
+        env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
+        proc = subprocess.run(cmd, env=env, capture_output=True, text=True)
+        if proc.returncode != 0:
+            raise SystemExit(f"the 2-rank swap part failed (rc={proc.returncode}):\n{(proc.stdout + proc.stderr)[-3000:]}")
+        result = json.loads(out.read_text())
+    if not result["swap_correct"]:
+        raise SystemExit("the weight swap did not reproduce the training weights: its speed means nothing")
+    return result
 
 
 if __name__ == "__main__":

@@ -166,18 +166,27 @@ class WeightSwap:
 
     @torch.no_grad()
     def __call__(self) -> None:
-        from megatron.core.resharding import swap_model_weights
+        """What megatron's `swap_model_weights` does (plan cached on the target, then executed), with the
+        plan keyed by both layouts, and on CPU our one-copy executor (rollout/reshard_exec.py)."""
+        from megatron.core.resharding import build_centralized_reshard_plan, execute_reshard_plan
+
+        from megatron_rlhf.rollout.reshard_exec import execute_plan_gloo
 
         key = (layout_key(self.source), layout_key(self.target))
         stale = torch.tensor([int(getattr(self.target, PLAN_KEY_ATTR, None) != key
                                   or getattr(self.target, PLAN_ATTR, None) is None)], device=_device())
         dist.all_reduce(stale, op=dist.ReduceOp.MAX)  # building a plan is collective: all ranks or none
         if stale.item():
-            if hasattr(self.target, PLAN_ATTR):
-                delattr(self.target, PLAN_ATTR)
+            plan = build_centralized_reshard_plan(self.source, self.target,
+                                                  num_experts=self.source.config.num_moe_experts)
+            setattr(self.target, PLAN_ATTR, plan)
             setattr(self.target, PLAN_KEY_ATTR, key)
             self.plans_built += 1
-        swap_model_weights(self.source, self.target, self.service)
+        plan = getattr(self.target, PLAN_ATTR)
+        if torch.cuda.is_available():
+            execute_reshard_plan(plan, self.source, self.target, service=self.service)
+        else:
+            execute_plan_gloo(plan, self.source, self.target, self.service.gloo_pg)
 
 
 def _device() -> torch.device:
