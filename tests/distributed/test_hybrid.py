@@ -59,3 +59,10 @@ def test_reference_and_reward_at_inference_tp1_match_training_tp2(results):
             got = res["inference_tp1"][name]
             assert got["shape"] and got["spread"] > 0.01, (name, got)  # varied values, not a constant
             assert got["max_diff"] <= 1e-5, (name, got)
+
+
+def test_reference_swap_at_training_tp2_gives_the_reference_logprobs_and_restores_the_policy(results):
+    for res in results:
+        got = res["inference_tp1"]["reference_swap"]
+        assert got["policy_differs"], "the moved policy scores like the reference: the comparison would be vacuous"
+        assert got["equal"] and got["restored"], got

@@ -170,7 +170,28 @@ def frozen_in_inference_layout(chunks, parallel, ckpt_root, generated):
         got = torch.cat(forward_collect(inference, mbs, extract))
         result[name] = {"max_diff": float((got - expected).abs().max()), "spread": float(expected.std()),
                         "shape": list(got.shape) == list(expected.shape)}
+    result["reference_swap"] = reference_swap_at_tp2(chunks, mbs)
     return result
+
+
+def reference_swap_at_tp2(chunks, mbs):
+    """ppo.reference_mode=swap at training TP=2: the reference weights (these chunks as they are) kept in host
+    memory, the policy moved on, then the reference forward through the swap: the same logprobs to the bit,
+    and the moved policy restored to the bit. (Last use of `chunks`: they are perturbed here.)"""
+    from megatron_rlhf.trainer.experience import forward_collect, response_logprobs
+    from megatron_rlhf.trainer.reference_swap import HostReference
+
+    extract = lambda o, mb: response_logprobs(o, mb, VOCAB, 0.8)  # noqa: E731
+    expected = torch.cat(forward_collect(chunks, mbs, extract))
+    reference = HostReference(chunks)
+    with torch.no_grad():
+        for p in (p for c in chunks for p in c.parameters()):
+            p.add_(0.05 * torch.randn(p.shape, generator=torch.Generator().manual_seed(0)))
+    moved = [p.detach().clone() for c in chunks for p in c.parameters()]
+    got = torch.cat(forward_collect(reference, mbs, extract))
+    policy = torch.cat(forward_collect(chunks, mbs, extract))
+    return {"equal": torch.equal(got, expected), "policy_differs": float((policy - expected).abs().max()) > 1e-3,
+            "restored": all(torch.equal(a, p) for a, p in zip(moved, (p for c in chunks for p in c.parameters())))}
 
 
 def trained_weights(parallel, ckpt_dir, swap_between):
