@@ -4,7 +4,8 @@ Usage: torchrun --nproc_per_node 2 hybrid_swap.py OUT.json CKPT_DIR
 Phase tp1 (training TP=1 x DP=2): a tiny LM is built and saved (dist_checkpointing); the reference
     is the plain sampler on this one-rank model over the whole batch (greedy and sampled with
     per-row draws). Generation at TP=2 (DP=1) from training DP shares of 3 and 2 prompts.
-Phase tp2 (training TP=2): weights loaded resharded by dist_checkpointing; generation at TP=1 x DP=2.
+Phase tp2 (training TP=2): weights loaded resharded by dist_checkpointing; generation at TP=1 x DP=2;
+    reference and reward loaded at inference TP=1; ppo.reference_mode=swap's host reference at TP=2.
 Phase pp2 (training PP=2): the SAME generation model as phase tp2 as the target of a new swap: the
     plan cached by megatron for the TP=2 source must be dropped (stale-plan trap).
 Phase vpp (training PP=2 x VPP=2, DDP + Adam): generation at TP=1; then train 2 steps with a swap and
