@@ -104,7 +104,8 @@ def score_and_recompute(exp: Experience, models: Dict[str, list], frozen: Frozen
                         with_values: bool = True) -> Experience:
     """Phases 2-3: fills logprobs, ref_logprobs, values, rm_scores and scores of `exp` (in place; returned).
 
-    `models`: chunks by name ("policy", "reference", "reward" and, with `with_values`, "value")."""
+    `models`: chunks by name ("policy", "reference", "reward" and, with `with_values`, "value"; without a
+    "value" model, the critic-free estimators, exp.values stays None)."""
     mbs = exp.microbatches(micro_batch_size)
     v, t = frozen.vocab_size, frozen.temperature
     cat = lambda parts: torch.cat(parts)  # noqa: E731
@@ -112,7 +113,7 @@ def score_and_recompute(exp: Experience, models: Dict[str, list], frozen: Frozen
     exp.logprobs = cat(forward_collect(models["policy"], mbs, lambda o, mb: response_logprobs(o, mb, v, t)))
     exp.ref_logprobs = cat(forward_collect(models["reference"], mbs, lambda o, mb: response_logprobs(o, mb, v, t)))
     mask = exp.response_mask
-    if with_values:
+    if with_values and "value" in models:
         exp.values = cat(forward_collect(models["value"], mbs, response_values)) * mask
     exp.logprobs, exp.ref_logprobs = exp.logprobs * mask, exp.ref_logprobs * mask
     return exp
