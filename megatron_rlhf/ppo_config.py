@@ -120,14 +120,9 @@ def validate_siblings(cfg) -> None:
     require(p.ptx_coef >= 0, f"ppo.ptx_coef={p.ptx_coef} must be >= 0")
     require(p.ptx_coef == 0 or p.ptx_data is not None,
             f"ppo.ptx_coef={p.ptx_coef} needs ppo.ptx_data (SFT-format rows: prompt, response)")
-    require(p.ptx_data is None or _exists(p.ptx_data), f"ppo.ptx_data: '{p.ptx_data}' not found")
+    from megatron_rlhf.config import _paths_exist  # config imports this module: import at call time
 
-
-def _exists(pattern: str) -> bool:
-    import glob
-    import os
-
-    return os.path.exists(pattern) or bool(glob.glob(pattern))
+    require(p.ptx_data is None or _paths_exist(p.ptx_data), f"ppo.ptx_data: '{p.ptx_data}' not found")
 
 
 def check_ppo_layout(cfg, dp_size: int) -> None:
