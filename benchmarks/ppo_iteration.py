@@ -12,6 +12,10 @@ overhead_fraction: the share of an iteration spent outside model forward passes 
 backward passes (torch.autograd.backward) and optimizer steps: sampling, data movement, the schedule,
 loss math and everything else of ours. length_scaling_exponent: the log-log slope of iteration time
 for 64 -> 128 -> 256 new tokens (1.0 = linear in the response length).
+
+The reference library, side by side: when TRL's PPO is importable (`pip install "trl==1.12.0"`; see
+`trl_reference.py`), the same shape runs through its PPOTrainer in this process after ours, and
+`speedup_vs_trl` = TRL's seconds per iteration / ours. Without it both are null.
 """
 
 from __future__ import annotations
@@ -29,6 +33,8 @@ from types import SimpleNamespace
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import torch  # noqa: E402
+
+import trl_reference  # noqa: E402  (benchmarks/ is on sys.path when this file runs as a script)
 
 SHAPE = dict(num_layers=4, hidden_size=128, ffn_hidden_size=352, num_attention_heads=4, num_query_groups=2,
              vocab_size=512, max_position_embeddings=512)
@@ -178,6 +184,15 @@ def main():
     print(f"reference shape: {s_per_iter:.3f} s/iteration; phases {', '.join(f'{k} {v:.3f}s' for k, v in phases.items())}")
     print(f"inside model forward/backward/optimizer: {', '.join(f'{k} {v:.3f}s' for k, v in model_seconds.items())} "
           f"per iteration; overhead fraction {overhead:.3f}")
+    trl_s = None
+    if trl_reference.available():
+        ids, mask = random_prompts()
+        rows = [ids[i][mask[i]].tolist() for i in range(PROMPTS)]
+        trl_s, trl_times = trl_reference.seconds_per_iteration(SHAPE, PROMPTS, MINIBATCHES, EPOCHS, 64, 5, rows)
+        print(f"TRL PPOTrainer, same shape: {trl_s:.3f} s/iteration ({', '.join(f'{t:.3f}' for t in trl_times)}); "
+              f"ours is {trl_s / s_per_iter:.2f}x faster")
+    else:
+        print("TRL's PPO is not importable here (pip install 'trl==1.12.0'): no side-by-side reference figure")
     print(f"new tokens -> s/iteration: {', '.join(f'{n}: {t:.3f}' for n, t in scaling.items())}; exponent {slope:.3f}")
     print(json.dumps({
         "s_per_iter_reference_shape": round(s_per_iter, 4),
@@ -186,6 +201,8 @@ def main():
         "overhead_fraction": round(overhead, 4),
         "s_per_iter_by_new_tokens": {str(n): round(t, 4) for n, t in scaling.items()},
         "length_scaling_exponent": round(slope, 4),
+        "s_per_iter_trl": None if trl_s is None else round(trl_s, 4),
+        "speedup_vs_trl": None if trl_s is None else round(trl_s / s_per_iter, 3),
         "torch_threads": torch.get_num_threads(),
     }))
 

@@ -27,6 +27,7 @@ from dataclasses import dataclass
 from typing import Callable, Optional, Sequence
 
 from megatron_rlhf import config as C
+from megatron_rlhf import config_io
 
 
 @dataclass(frozen=True)
@@ -110,7 +111,7 @@ def _run_config_command(name: str, cmd: Command, argv: Sequence[str]) -> int:
     except _user_errors() as e:
         return _error(str(e))
     if args.print_config:
-        print(C.to_yaml(cfg), end="")
+        print(config_io.to_yaml(cfg), end="")
         return 0
     run = _resolve(cmd.target)
     try:

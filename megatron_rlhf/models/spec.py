@@ -202,12 +202,17 @@ def use_te_spec() -> bool:
 
 
 def layer_spec(te: Optional[bool] = None):
-    """Megatron ModuleSpec for one decoder layer: TE-fused on GPU with TE, local modules otherwise."""
+    """Megatron ModuleSpec for one decoder layer: TE-fused on GPU with TE, local modules otherwise
+    (with `SDPAttention` as core attention)."""
     from megatron.core.models.gpt import gpt_layer_specs
 
     if use_te_spec() if te is None else te:
         return gpt_layer_specs.get_gpt_layer_with_transformer_engine_spec()
-    return gpt_layer_specs.get_gpt_layer_local_spec(normalization="RMSNorm")
+    from megatron_rlhf.models.sdpa_attention import SDPAttention
+
+    spec = gpt_layer_specs.get_gpt_layer_local_spec(normalization="RMSNorm")
+    spec.submodules.self_attention.submodules.core_attention = SDPAttention  # one fused op (see its module)
+    return spec
 
 
 def transformer_config(

@@ -57,6 +57,7 @@ def init_process_group(timeout_s: int = 600) -> DistEnv:
     cpu.enable()
     lifetime.follow_launcher()  # a dying launcher means: checkpoint and exit
     lifetime.guard_checkpoint_manager()  # no checkpoint helper outlives this rank
+    lifetime.forked_children_die_with_rank()  # nor a forked checkpoint writer (nor the tracker it holds open)
     env = dist_env()
     if torch.distributed.is_initialized():
         return env

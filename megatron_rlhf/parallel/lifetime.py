@@ -7,7 +7,11 @@
 - Megatron's `dist_checkpointing` keeps a `spawn` multiprocessing manager per rank (the write-results
   queue). Ours ignores the preemption signals (a signal to the whole process group, as Slurm sends
   it, must not kill it before the checkpoint is written) and gets SIGKILL when its rank dies, so a
-  `kill -9` of a rank leaves no manager behind; its resource tracker then sees EOF and exits too.
+  `kill -9` of a rank leaves no manager behind.
+- Megatron's checkpoint writer forks worker processes (`filesystem_async`, `fork` context). A worker
+  orphaned mid-write can block forever on a results pipe whose other end it holds itself, and it
+  keeps the rank's resource tracker alive (the tracker exits on EOF from every holder of its pipe).
+  Every process forked from a rank's main thread therefore gets SIGKILL when the rank dies.
 Linux only (prctl); elsewhere these are no-ops.
 """
 
@@ -17,12 +21,14 @@ import ctypes
 import os
 import signal
 import sys
+import threading
 from typing import Optional
 
 PR_SET_PDEATHSIG = 1
 PR_SET_CHILD_SUBREAPER = 36
 LAUNCHER_ENV = "MEGATRON_RLHF_LAUNCHER"  # set by megatron_rlhf.launch to its pid
 _manager = None  # keeps our checkpoint-results manager alive for the life of the rank
+_forker = None  # (pid, forked from the main thread) of the process that is forking now
 
 
 def prctl(option: int, value: int) -> bool:
@@ -61,6 +67,30 @@ def _helper_init(parent_pid: int) -> None:
     for sig in (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT, signal.SIGHUP):
         signal.signal(sig, signal.SIG_IGN)  # the rank handles these; the helper must survive them
     die_with_parent(signal.SIGKILL, parent_pid)
+
+
+def _before_fork() -> None:
+    global _forker
+    _forker = (os.getpid(), threading.current_thread() is threading.main_thread())
+
+
+def _after_fork_in_child() -> None:
+    pid, from_main_thread = _forker
+    # PDEATHSIG fires when the forking *thread* exits: only the main thread lives as long as the rank.
+    if from_main_thread:
+        die_with_parent(signal.SIGKILL, pid)
+
+
+def forked_children_die_with_rank() -> None:
+    """Every process later forked from this process's main thread gets SIGKILL when this process dies.
+
+    Registered once per process; `multiprocessing`'s spawn and `subprocess` start programs with
+    fork+exec outside these hooks, so launched programs are not affected.
+    """
+    if getattr(forked_children_die_with_rank, "_registered", False):
+        return
+    os.register_at_fork(before=_before_fork, after_in_child=_after_fork_in_child)
+    forked_children_die_with_rank._registered = True
 
 
 def guard_checkpoint_manager() -> None:

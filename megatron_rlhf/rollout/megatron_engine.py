@@ -96,8 +96,8 @@ def generate(
 def generate_for_prompts(model: Model, examples: Sequence[dict], tokenizer, *, vocab_size: int,
                          max_new_tokens: int, temperature: float = 1.0, generator=None, seed=None) -> Dict[str, torch.Tensor]:
     """`generate` for tokenised prompt rows (`data.load_examples("prompt", ...)`: `prompt_ids`),
-    left-padded with `data.collate_prompts`, ending at the tokenizer's EOS."""
-    from megatron_rlhf.data import collate_prompts
+    left-padded with `collate.collate_prompts`, ending at the tokenizer's EOS."""
+    from megatron_rlhf.collate import collate_prompts
 
     batch = collate_prompts(examples, pad_id=tokenizer.pad_token_id)
     return generate(model, batch["input_ids"], prompt_mask=batch["attention_mask"], max_new_tokens=max_new_tokens,

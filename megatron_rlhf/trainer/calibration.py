@@ -14,6 +14,7 @@ import torch
 
 from megatron_rlhf import data as D
 from megatron_rlhf.checkpoint import state as ckpt
+from megatron_rlhf.collate import pad_sequences
 from megatron_rlhf.models.build import build_model
 from megatron_rlhf.rollout.megatron_engine import generate_for_prompts
 from megatron_rlhf.trainer.step import make_forward_step, reduce_stats, run_schedule
@@ -61,7 +62,7 @@ def calibrate(cfg, reward_chunks, tokenizer, dp_rank: int, dp_size: int, log=Non
         for r, p in enumerate(rows):
             n = int(out["lengths"][r])
             sequences.append(list(p["prompt_ids"]) + out["response_ids"][r, :n].tolist())
-        ids = D.pad_sequences(sequences, tokenizer.pad_token_id)
+        ids = pad_sequences(sequences, tokenizer.pad_token_id)
         mbatch = {"input_ids": ids, "lengths": torch.tensor([len(s) for s in sequences]),
                   "ended": out["ended"]}
         outputs += run_schedule(reward_chunks, [mbatch], forward_step, forward_only=True)

@@ -14,7 +14,9 @@ import torch
 
 from megatron_rlhf import config as C
 from megatron_rlhf import data as D
+from megatron_rlhf.batching import ShardedBatchSampler, eval_batches
 from megatron_rlhf.checkpoint import state as ckpt
+from megatron_rlhf.collate import COLLATE, microbatches
 from megatron_rlhf.metrics import peak_memory_gib
 from megatron_rlhf.parallel import init
 from megatron_rlhf.trainer.preflight import resume_message
@@ -48,9 +50,9 @@ def run_stage(cfg, stage: Stage) -> Dict[str, float]:
     log, dp_size, tokenizer = ctx.log, ctx.dp_size, ctx.tokenizer
     splits = D.load_splits(stage.data_kind, cfg.data, tokenizer, log=log)
     seed = cfg.data.seed if cfg.data.seed is not None else cfg.train.seed
-    sampler = D.ShardedBatchSampler(len(splits.train), cfg.train.global_batch_size, ctx.dp_rank, dp_size, seed=seed)
+    sampler = ShardedBatchSampler(len(splits.train), cfg.train.global_batch_size, ctx.dp_rank, dp_size, seed=seed)
     total_steps = C.total_train_steps(cfg.train, sampler.steps_per_epoch)
-    collate = D.COLLATE[stage.data_kind]
+    collate = COLLATE[stage.data_kind]
     pad_to = cfg.data.max_seq_len if cfg.parallel.pp > 1 else None  # pipelines need one shape
 
     torch.manual_seed(cfg.train.seed)
@@ -81,7 +83,7 @@ def run_stage(cfg, stage: Stage) -> Dict[str, float]:
     saved_at = step if resume_from is not None else -1
     while step < stop_at:
         indices = next(sampler)
-        mbs = D.microbatches(splits.train, indices, cfg.train.micro_batch_size, collate,
+        mbs = microbatches(splits.train, indices, cfg.train.micro_batch_size, collate,
                              pad_id=tokenizer.pad_token_id, pad_to=pad_to)
         with metrics.timer("time/step") as timing:
             stats = train_step(chunks, optimizer, scheduler, mbs, forward_step)
@@ -125,10 +127,10 @@ def evaluate(chunks, dataset, stage: Stage, cfg, tokenizer, dp_size: int, pad_to
         c.eval()
     outputs = []
     forward_step = make_forward_step(stage.loss_fn, stage.model_kwargs)
-    for indices in D.eval_batches(len(dataset), cfg.train.global_batch_size, ps.get_data_parallel_rank(), dp_size):
+    for indices in eval_batches(len(dataset), cfg.train.global_batch_size, ps.get_data_parallel_rank(), dp_size):
         for start in range(0, len(indices), cfg.train.micro_batch_size):
             part = indices[start: start + cfg.train.micro_batch_size]
-            mbs = D.microbatches(dataset, part, len(part), D.COLLATE[stage.data_kind],
+            mbs = microbatches(dataset, part, len(part), COLLATE[stage.data_kind],
                                  pad_id=tokenizer.pad_token_id, pad_to=pad_to)
             outputs += run_schedule(chunks, mbs, forward_step, forward_only=True)
     for c in chunks:

@@ -23,6 +23,7 @@ import torch
 from megatron_rlhf import data as D
 from megatron_rlhf.algo.kl import AdaptiveKLController, FixedKLController
 from megatron_rlhf.batch import Experience, all_gather_experience
+from megatron_rlhf.batching import ShardedBatchSampler
 from megatron_rlhf.checkpoint import state as ckpt
 from megatron_rlhf.metrics import peak_memory_gib
 from megatron_rlhf.parallel import init
@@ -65,7 +66,7 @@ def fit(cfg) -> Dict[str, float]:
 
     dp_group, tok, log = ps.get_data_parallel_group(), ctx.tokenizer, ctx.log
     train_prompts, eval_prompts = load_prompts(cfg, tok, log)
-    sampler = D.ShardedBatchSampler(len(train_prompts), p.rollout_batch_size, ctx.dp_rank, ctx.dp_size, seed=cfg.data.seed)
+    sampler = ShardedBatchSampler(len(train_prompts), p.rollout_batch_size, ctx.dp_rank, ctx.dp_size, seed=cfg.data.seed)
     steps_per_iteration = p.epochs * (rollouts_per_iteration(p) // p.minibatch_size)
     m = build_ppo_models(cfg, ctx, p.iterations * steps_per_iteration)
     vocab = ctx.model_cfg.vocab_size

@@ -69,7 +69,7 @@ def uniforms(seed: int, iteration: int, rows: slice, total: int, max_new_tokens:
 def generate(engine, prompt_rows: List[List[int]], tokenizer, sampling: SamplingParams,
              draws: Optional[torch.Tensor]) -> Experience:
     """Left-pad the prompts, generate, and assemble the rollout part of an Experience."""
-    from megatron_rlhf.data import collate_prompts
+    from megatron_rlhf.collate import collate_prompts
 
     batch = collate_prompts([{"prompt_ids": p} for p in prompt_rows], pad_id=tokenizer.pad_token_id)
     out = engine.generate(batch["input_ids"], batch["attention_mask"], sampling, uniforms=draws)

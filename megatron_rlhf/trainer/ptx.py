@@ -16,6 +16,8 @@ from typing import Dict, List, Tuple
 import torch
 
 from megatron_rlhf import data as D
+from megatron_rlhf.batching import ShardedBatchSampler
+from megatron_rlhf.collate import collate_sft, microbatches
 from megatron_rlhf.trainer.experience import tp_group
 
 Batch = Dict[str, torch.Tensor]
@@ -29,7 +31,7 @@ class PtxBatches:
         self.dataset, self.batch_size, self.micro_batch_size = dataset, batch_size, micro_batch_size
         self.dp_rank, self.dp_size, self.pad_id = dp_rank, dp_size, pad_id
         # One global cursor (dp_size=1 view): every rank sees every index, so the token count needs no collective.
-        self.sampler = D.ShardedBatchSampler(len(dataset), batch_size, 0, 1, seed=seed)
+        self.sampler = ShardedBatchSampler(len(dataset), batch_size, 0, 1, seed=seed)
 
     @classmethod
     def load(cls, cfg, tokenizer, dp_rank: int, dp_size: int, log=None) -> "PtxBatches":
@@ -44,7 +46,7 @@ class PtxBatches:
         mine = indices[self.dp_rank * share: (self.dp_rank + 1) * share]
         masks = self.dataset[[int(i) for i in indices]]["loss_mask"]
         tokens = int(sum(sum(m[1:]) for m in masks))  # collate_sft shifts the mask by one (next-token targets)
-        mbs = D.microbatches(self.dataset, mine, self.micro_batch_size, D.collate_sft, pad_id=self.pad_id)
+        mbs = microbatches(self.dataset, mine, self.micro_batch_size, collate_sft, pad_id=self.pad_id)
         return mbs, tokens
 
     def state_dict(self) -> dict:

@@ -1,6 +1,6 @@
 """Stage 2, the Bradley-Terry reward model: the SFT backbone with a scalar head, trained on pairs.
 
-A batch holds b chosen rows then b rejected rows (data.collate_preference); the score of a
+A batch holds b chosen rows then b rejected rows (collate.collate_preference); the score of a
 sequence is the head's output at its last real token.
 """
 

@@ -19,6 +19,7 @@ from typing import Any, Callable, List, Optional, Sequence
 import torch
 
 from megatron_rlhf import config as C
+from megatron_rlhf import config_io
 from megatron_rlhf import data as D
 from megatron_rlhf.checkpoint import state as ckpt
 from megatron_rlhf.models.build import build_model
@@ -157,7 +158,7 @@ def open_metrics(cfg, ctx: RunContext, total_steps: int, start_step: int,
 
     return MetricsLogger(
         cfg.logging.run_dir, enabled=ctx.rank0, total_steps=total_steps, start_step=start_step,
-        tensorboard=cfg.logging.tensorboard, progress_bar=cfg.logging.progress_bar, config_text=C.to_yaml(cfg),
+        tensorboard=cfg.logging.tensorboard, progress_bar=cfg.logging.progress_bar, config_text=config_io.to_yaml(cfg),
         namespaces=tuple(namespaces or NAMESPACES), desc=desc, log_interval=cfg.logging.log_interval,
     )
 

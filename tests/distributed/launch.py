@@ -115,6 +115,31 @@ def _kill_all(psutil, proc, seen: dict) -> None:
     proc.wait()
 
 
+def sigterm_when(cmd, log: Path, ready, timeout: int = 300):
+    """Run `cmd` (a world of one, in a session of its own, output to `log`), send it SIGTERM once
+    `ready()` holds, wait for it, then kill what is left of its session (checkpoint helpers).
+
+    Returns (returncode, the log's text). Fails the test if the process ends before `ready()`.
+    """
+    env = child_env({"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port())})
+    proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=open(log, "w"), stderr=subprocess.STDOUT,
+                            start_new_session=True)
+    try:
+        deadline = time.time() + timeout
+        while time.time() < deadline and proc.poll() is None and not ready():
+            time.sleep(0.2)
+        if proc.poll() is not None or not ready():
+            pytest.fail(f"ended or timed out before it was ready (rc={proc.poll()}):\n{log.read_text()[-3000:]}")
+        proc.send_signal(signal.SIGTERM)
+        proc.wait(timeout=timeout)
+    finally:
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    return proc.returncode, log.read_text()
+
+
 def read_json(path) -> dict:
     with open(path) as f:
         return json.load(f)

@@ -171,33 +171,16 @@ def test_nan_steps_are_skipped_and_k_in_a_row_stop(base, tmp_path):
 
 def test_sigterm_saves_and_exits_zero(base, tmp_path):
     """Preemption as in stages 1-2: SIGTERM -> checkpoint at the end of the iteration -> exit 0 (a world of one)."""
-    import signal
-    import subprocess
     import sys
-    import time
 
-    from tests.distributed.launch import child_env, free_port
+    from tests.distributed.launch import sigterm_when
 
     run = tmp_path / "preempted"
     args = ppo_args(base, run, **{"ppo.iterations": 1000, "ppo.eval_interval": 0, "checkpoint.save_interval": 0,
                                   "train.micro_batch_size": 32})
-    env = child_env({"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port())})
-    log = tmp_path / "preempted.log"
-    proc = subprocess.Popen([sys.executable, str(CLI), *args], cwd=ROOT, env=env, stdout=open(log, "w"),
-                            stderr=subprocess.STDOUT, start_new_session=True)
-    deadline = time.time() + 300
-    while time.time() < deadline and proc.poll() is None:
-        if (run / "metrics.jsonl").exists() and max(rows(run)) >= 1:
-            break
-        time.sleep(0.2)
-    assert proc.poll() is None, log.read_text()[-3000:]
-    proc.send_signal(signal.SIGTERM)
-    try:
-        proc.wait(timeout=300)
-    finally:
-        os.killpg(proc.pid, signal.SIGKILL)  # the checkpoint manager's helper processes
-    out = log.read_text()
-    assert proc.returncode == 0, out[-3000:]
+    ready = lambda: (run / "metrics.jsonl").exists() and max(rows(run)) >= 1  # noqa: E731
+    rc, out = sigterm_when([sys.executable, str(CLI), *args], tmp_path / "preempted.log", ready)
+    assert rc == 0, out[-3000:]
     stopped_at = max(rows(run))
     assert (run / "checkpoints" / "latest").read_text().strip() == f"step_{stopped_at:08d}"
     assert f"saved checkpoint at iteration {stopped_at}" in out

@@ -130,10 +130,7 @@ def test_torchrun_killed_by_group_sigusr1_leaves_ranks_that_checkpoint_and_exit(
 
 
 @pytest.mark.parametrize("launcher", [
-    pytest.param("none", marks=pytest.mark.skip(reason=(
-        "flaky: a directly started rank killed with -9 left its resource tracker and a forked child alive in 1 of "
-        "2 fresh-clone runs (2026-11-30); open in issue 12's note"))),
-    "launch", "torchrun"])
+    "none", "launch", "torchrun"])
 def test_kill_9_of_a_rank_leaves_no_helper_behind(data, tmp_path, launcher):  # noqa: F811
     """The rank's dist_checkpointing manager and resource tracker die with it, whoever started it
     ("none": nothing but the kernel can clean up after a rank started directly)."""

@@ -4,16 +4,13 @@ kill -9 during a save, and SIGTERM -> checkpoint -> exit 0 -> resume."""
 import json
 import os
 import random
-import signal
-import subprocess
 import sys
-import time
 
 import pytest
 
 from megatron_rlhf.metrics import read_jsonl
 from megatron_rlhf.tasks import sort_digits
-from tests.distributed.launch import ROOT, child_env, free_port, run_reaped, torchrun
+from tests.distributed.launch import ROOT, child_env, free_port, run_reaped, sigterm_when, torchrun
 
 CLI = ROOT / "megatron_rlhf" / "cli.py"
 
@@ -135,30 +132,15 @@ def test_kill_9_during_save_keeps_previous_checkpoint(data, tmp_path):
 def test_sigterm_saves_and_exits_zero_then_resumes(data, tmp_path):
     run = tmp_path / "preempted"
     args = overrides(data, run, **{"train.train_steps": 100000, "checkpoint.save_interval": 0})
-    env = child_env({"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port())})
     # A world of one without torchrun, as `srun` would start one task; SIGTERM goes to the trainer itself.
-    log = tmp_path / "preempted.log"
-    proc = subprocess.Popen([sys.executable, str(CLI), "sft", *args], cwd=ROOT, env=env,
-                            stdout=open(log, "w"), stderr=subprocess.STDOUT, start_new_session=True)
-    metrics = run / "metrics.jsonl"
-    deadline = time.time() + 240
-    while time.time() < deadline and proc.poll() is None:
-        if metrics.exists() and len(losses(run)) >= 3:
-            break
-        time.sleep(0.2)
-    assert proc.poll() is None, log.read_text()[-3000:]
-    proc.send_signal(signal.SIGTERM)
-    try:
-        proc.wait(timeout=240)
-    finally:
-        os.killpg(proc.pid, signal.SIGKILL)  # the checkpoint manager's helper processes
-    out = log.read_text()
-    assert proc.returncode == 0, out[-3000:]
+    ready = lambda: (run / "metrics.jsonl").exists() and len(losses(run)) >= 3  # noqa: E731
+    rc, out = sigterm_when([sys.executable, str(CLI), "sft", *args], tmp_path / "preempted.log", ready, timeout=240)
+    assert rc == 0, out[-3000:]
     stopped_at = max(losses(run))
     assert (run / "checkpoints" / "latest").read_text().strip() == f"step_{stopped_at:08d}"
     assert "stop requested" in out
 
-    env["MASTER_PORT"] = str(free_port())
+    env = child_env({"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port())})
     resumed = run_reaped([sys.executable, str(CLI), "sft", *args, f"train.train_steps={stopped_at + 2}"],
                          env=env, timeout=300)
     assert resumed.returncode == 0, resumed.stderr[-3000:]

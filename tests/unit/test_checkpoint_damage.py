@@ -6,34 +6,14 @@ import os
 import shutil
 
 import pytest
-import torch
 
 from megatron_rlhf.checkpoint import state as ckpt
 from megatron_rlhf.models.build import build_model
 from megatron_rlhf.models.spec import ModelConfig
-from megatron_rlhf.parallel import init
 from megatron_rlhf.parallel.layout import ParallelConfig
-from tests.distributed.launch import free_port
 
 CFG = dict(num_layers=2, hidden_size=32, ffn_hidden_size=64, num_attention_heads=4, num_query_groups=2,
            vocab_size=17, max_position_embeddings=32)
-
-
-@pytest.fixture(scope="module")
-def world():
-    started = not torch.distributed.is_initialized()
-    env = dict(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), RANK="0", WORLD_SIZE="1", LOCAL_RANK="0")
-    old = {k: os.environ.get(k) for k in env}
-    os.environ.update(env)
-    init.initialize(ParallelConfig(), seed=1234)
-    yield
-    from megatron.core import parallel_state
-
-    parallel_state.destroy_model_parallel()
-    if started:
-        torch.distributed.destroy_process_group()
-    for k, v in old.items():
-        os.environ.pop(k, None) if v is None else os.environ.__setitem__(k, v)
 
 
 def _models(**overrides):

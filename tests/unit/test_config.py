@@ -8,6 +8,7 @@ import shutil
 import pytest
 
 from megatron_rlhf import config as C
+from megatron_rlhf import config_io
 from megatron_rlhf.models.spec import ModelConfig
 
 
@@ -229,7 +230,7 @@ def test_describe_lists_every_group_and_key():
     text = C.describe(C.RMConfig)
     for group in ("model", "parallel", "fp8", "tokenizer", "data", "train", "checkpoint", "logging", "calibration"):
         assert f"\n{group}:" in "\n" + text
-    for key in C.all_keys(C.RMConfig):
+    for key in config_io.all_keys(C.RMConfig):
         assert key in text
     assert "ppo:" in C.describe(C.PPOConfig)
 

@@ -8,6 +8,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from megatron_rlhf import data as D
+from megatron_rlhf.batching import ShardedBatchSampler, eval_batches
+from megatron_rlhf.collate import collate_preference, collate_prompts, collate_sft, microbatches
 from megatron_rlhf.config import DataConfig
 from megatron_rlhf.tasks import sort_digits
 
@@ -323,7 +325,7 @@ def test_eval_fraction_split_is_seeded_and_disjoint(tmp_path, tok):
 
 def test_collate_sft_shifts_targets_and_pads_right():
     examples = [{"input_ids": [1, 5, 6, 7], "loss_mask": [0, 0, 1, 1]}, {"input_ids": [1, 8], "loss_mask": [0, 1]}]
-    b = D.collate_sft(examples, pad_id=0)
+    b = collate_sft(examples, pad_id=0)
     assert b["input_ids"].tolist() == [[1, 5, 6, 7], [1, 8, 0, 0]]
     assert b["labels"].tolist() == [[5, 6, 7, 0], [8, 0, 0, 0]]
     # the loss at t predicts token t+1, so it is on where token t+1 is a response token
@@ -331,10 +333,10 @@ def test_collate_sft_shifts_targets_and_pads_right():
     assert b["loss_mask"].dtype == torch.float32
     assert b["attention_mask"].tolist() == [[True] * 4, [True, True, False, False]]
     assert b["lengths"].tolist() == [4, 2] and b["position_ids"][1].tolist() == [0, 1, 2, 3]
-    assert D.collate_sft(examples, pad_id=0, multiple_of=3)["input_ids"].shape == (2, 6)
-    assert D.collate_sft(examples, pad_id=0, pad_to=8)["labels"].shape == (2, 8)
+    assert collate_sft(examples, pad_id=0, multiple_of=3)["input_ids"].shape == (2, 6)
+    assert collate_sft(examples, pad_id=0, pad_to=8)["labels"].shape == (2, 8)
     with pytest.raises(ValueError, match="pad_to=3"):
-        D.collate_sft(examples, pad_id=0, pad_to=3)
+        collate_sft(examples, pad_id=0, pad_to=3)
 
 
 def test_collate_preference_stacks_chosen_then_rejected():
@@ -342,7 +344,7 @@ def test_collate_preference_stacks_chosen_then_rejected():
         {"chosen_ids": [1, 2, 3], "rejected_ids": [1, 2], "prompt_len": 1},
         {"chosen_ids": [1, 4], "rejected_ids": [1, 5, 6, 7], "prompt_len": 1},
     ]
-    b = D.collate_preference(examples, pad_id=0)
+    b = collate_preference(examples, pad_id=0)
     assert b["input_ids"].tolist() == [[1, 2, 3, 0], [1, 4, 0, 0], [1, 2, 0, 0], [1, 5, 6, 7]]
     assert b["lengths"].tolist() == [3, 2, 2, 4] and b["prompt_lens"].tolist() == [1, 1]
     last = b["input_ids"].gather(1, (b["lengths"] - 1).unsqueeze(1)).squeeze(1)
@@ -350,7 +352,7 @@ def test_collate_preference_stacks_chosen_then_rejected():
 
 
 def test_collate_prompts_left_pads():
-    b = D.collate_prompts([{"prompt_ids": [1, 3, 4]}, {"prompt_ids": [1, 5]}], pad_id=0)
+    b = collate_prompts([{"prompt_ids": [1, 3, 4]}, {"prompt_ids": [1, 5]}], pad_id=0)
     assert b["input_ids"].tolist() == [[1, 3, 4], [0, 1, 5]]
     assert b["attention_mask"].tolist() == [[True, True, True], [False, True, True]]
     assert b["position_ids"].tolist() == [[0, 1, 2], [0, 0, 1]]
@@ -359,11 +361,11 @@ def test_collate_prompts_left_pads():
 def test_microbatches_split_this_ranks_share(tmp_path, tok):
     rows = [{"prompt": f"sort {i} =", "response": f"{i}"} for i in range(8)]
     ds, _ = D.load_examples("sft", cfg(), tok, write_lines(tmp_path / "m.jsonl", rows), log=None)
-    mbs = D.microbatches(ds, [5, 1, 2, 7], 2, D.collate_sft, pad_id=tok.pad_token_id)
+    mbs = microbatches(ds, [5, 1, 2, 7], 2, collate_sft, pad_id=tok.pad_token_id)
     assert len(mbs) == 2 and mbs[0]["input_ids"].shape[0] == 2
     assert mbs[0]["input_ids"][0].tolist() == ds[5]["input_ids"]
     with pytest.raises(ValueError):
-        D.microbatches(ds, [1, 2, 3], 2, D.collate_sft, pad_id=0)
+        microbatches(ds, [1, 2, 3], 2, collate_sft, pad_id=0)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -381,7 +383,7 @@ def test_sampler_covers_each_index_once_per_epoch_across_ranks(n, per_rank, dp, 
     gbs = per_rank * dp
     if gbs > n:
         return
-    ranks = [D.ShardedBatchSampler(n, gbs, r, dp, seed=seed) for r in range(dp)]
+    ranks = [ShardedBatchSampler(n, gbs, r, dp, seed=seed) for r in range(dp)]
     steps = ranks[0].steps_per_epoch
     assert steps == n // gbs
     for epoch in range(2):
@@ -396,43 +398,43 @@ def test_sampler_covers_each_index_once_per_epoch_across_ranks(n, per_rank, dp, 
 
 
 def test_sampler_reshuffles_per_epoch_and_is_deterministic():
-    a, b = D.ShardedBatchSampler(40, 10, seed=3), D.ShardedBatchSampler(40, 10, seed=3)
+    a, b = ShardedBatchSampler(40, 10, seed=3), ShardedBatchSampler(40, 10, seed=3)
     first, second = take(a, 4), take(a, 4)
     assert first == take(b, 4)
     assert sorted(sum(first, [])) == list(range(40)) == sorted(sum(second, []))
     assert first != second  # a new permutation each epoch
-    assert take(D.ShardedBatchSampler(40, 10, seed=4), 4) != first
-    assert take(D.ShardedBatchSampler(40, 10, shuffle=False), 1) == [list(range(10))]
+    assert take(ShardedBatchSampler(40, 10, seed=4), 4) != first
+    assert take(ShardedBatchSampler(40, 10, shuffle=False), 1) == [list(range(10))]
 
 
 @pytest.mark.parametrize("consumed", [0, 3, 4, 5, 11])  # includes epoch boundaries (4 steps per epoch)
 def test_sampler_resume_continues_exactly(consumed):
-    straight = D.ShardedBatchSampler(45, 10, dp_rank=1, dp_size=2, seed=7)
+    straight = ShardedBatchSampler(45, 10, dp_rank=1, dp_size=2, seed=7)
     expected = take(straight, consumed + 9)[consumed:]
-    first = D.ShardedBatchSampler(45, 10, dp_rank=1, dp_size=2, seed=7)
+    first = ShardedBatchSampler(45, 10, dp_rank=1, dp_size=2, seed=7)
     take(first, consumed)
     state = json.loads(json.dumps(first.state_dict()))  # survives serialisation
-    resumed = D.ShardedBatchSampler(45, 10, dp_rank=1, dp_size=2, seed=7)
+    resumed = ShardedBatchSampler(45, 10, dp_rank=1, dp_size=2, seed=7)
     resumed.load_state_dict(state)
     assert resumed.consumed_steps == consumed
     assert take(resumed, 9) == expected
 
 
 def test_sampler_resume_at_another_dp_size_keeps_global_batches():
-    two = [D.ShardedBatchSampler(30, 6, r, 2, seed=1) for r in range(2)]
+    two = [ShardedBatchSampler(30, 6, r, 2, seed=1) for r in range(2)]
     for s in two:
         take(s, 2)
-    one = D.ShardedBatchSampler(30, 6, 0, 1, seed=1)
+    one = ShardedBatchSampler(30, 6, 0, 1, seed=1)
     one.load_state_dict(two[0].state_dict())
     assert take(one, 1)[0] == next(two[0]) + next(two[1])
 
 
 def test_sampler_errors():
     with pytest.raises(D.DataError, match="fewer than one global batch"):
-        D.ShardedBatchSampler(5, 8)
+        ShardedBatchSampler(5, 8)
     with pytest.raises(D.DataError, match="not divisible"):
-        D.ShardedBatchSampler(50, 9, 0, 2)
-    s = D.ShardedBatchSampler(50, 10, seed=1)
+        ShardedBatchSampler(50, 9, 0, 2)
+    s = ShardedBatchSampler(50, 10, seed=1)
     with pytest.raises(D.DataError, match="dataset_size=60"):
         s.load_state_dict({**s.state_dict(), "dataset_size": 60})
 
@@ -440,7 +442,7 @@ def test_sampler_errors():
 @pytest.mark.parametrize("n, gbs, dp", [(10, 4, 2), (7, 4, 4), (3, 8, 2), (12, 4, 1)])
 def test_eval_batches_cover_every_index_once(n, gbs, dp):
     got = []
-    per_rank = [list(D.eval_batches(n, gbs, r, dp)) for r in range(dp)]
+    per_rank = [list(eval_batches(n, gbs, r, dp)) for r in range(dp)]
     assert len({len(x) for x in per_rank}) == 1  # same number of batches on every rank
     for r in range(dp):
         for batch in per_rank[r]:

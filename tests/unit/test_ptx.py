@@ -13,7 +13,6 @@ from megatron_rlhf.trainer.ppo_learn import SkipGuard, learn
 from megatron_rlhf.trainer.ptx import PtxBatches
 from megatron_rlhf.trainer.run import Trainable
 from tests.unit.test_ppo_pieces import load
-from tests.unit.test_sampler import world  # noqa: F401  (the world-of-one fixture)
 
 VOCAB = 17
 CFG = ModelConfig(num_layers=1, hidden_size=32, ffn_hidden_size=64, num_attention_heads=4, num_query_groups=2,
@@ -64,7 +63,7 @@ def _weights(policy):
     return [p.detach().clone() for p in policy.chunks[0].parameters()]
 
 
-def test_ptx_coef_zero_is_plain_ppo_and_ptx_loss_falls(world):  # noqa: F811
+def test_ptx_coef_zero_is_plain_ppo_and_ptx_loss_falls(world):  # world: tests/unit/conftest.py
     cfg = load(*SETTINGS, "ppo.ptx_coef=0")
     plain = _policy(cfg)
     exp = _rollouts(plain)
@@ -81,3 +80,21 @@ def test_ptx_coef_zero_is_plain_ppo_and_ptx_loss_falls(world):  # noqa: F811
     losses = [_learn(mixed, exp, cfg, ptx, iteration=i)["ptx_loss"] for i in range(8)]
     assert losses[-1] < 0.8 * losses[0], losses
     assert any(not torch.equal(a, b) for a, b in zip(_weights(mixed), _weights(zero)))
+
+
+def test_ptx_cursor_resumes_and_counts_global_tokens():
+    cfg = load(*SETTINGS)
+    straight = _ptx_batches(cfg)
+    for _ in range(3):
+        straight.next_share()
+    resumed = _ptx_batches(cfg)
+    resumed.load_state_dict(straight.state_dict())
+    a, tokens = straight.next_share()
+    b, _ = resumed.next_share()
+    assert all(torch.equal(x["input_ids"], y["input_ids"]) for x, y in zip(a, b))
+    assert tokens == 8 * 4  # 8 rows x 4 answer tokens: the global count, from every rank's view
+    half = PtxBatches(straight.dataset, 8, 4, 1, 2, pad_id=0)  # rank 1 of 2 trains rows 4..7 of the same batch
+    half.load_state_dict(straight.state_dict())
+    straight_next, _ = straight.next_share()
+    mine, tokens_half = half.next_share()
+    assert torch.equal(mine[0]["input_ids"], straight_next[1]["input_ids"]) and tokens_half == tokens

@@ -5,18 +5,15 @@ every step: (a) the left-padded batch with an explicit mask hiding the padding c
 prompt alone with no padding at all. TP=2 against TP=1 is tests/distributed/test_sampler_tp.py.
 """
 
-import os
 
 import pytest
 import torch
 
 from megatron_rlhf.models.build import build_model
 from megatron_rlhf.models.spec import ModelConfig
-from megatron_rlhf.parallel import init
 from megatron_rlhf.parallel.layout import ParallelConfig
 from megatron_rlhf.rollout import GENERATION_KEYS, SamplingParams
 from megatron_rlhf.rollout.megatron_engine import MegatronRolloutEngine, generate
-from tests.distributed.launch import free_port
 
 VOCAB = 17
 # A larger init std than the default makes next-token distributions peaked, so greedy choices are
@@ -24,27 +21,6 @@ VOCAB = 17
 CFG = dict(num_layers=2, hidden_size=32, ffn_hidden_size=64, num_attention_heads=4, num_query_groups=2,
            vocab_size=VOCAB, max_position_embeddings=64, init_method_std=0.2)
 PAD = 0
-
-
-@pytest.fixture(scope="module")
-def world():
-    """A world of one (gloo) with Megatron's parallel state; torn down only if we started it."""
-    started = not torch.distributed.is_initialized()
-    env = dict(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), RANK="0", WORLD_SIZE="1", LOCAL_RANK="0")
-    old = {k: os.environ.get(k) for k in env}
-    os.environ.update(env)
-    init.initialize(ParallelConfig(), seed=1234)
-    yield
-    from megatron.core import parallel_state
-
-    parallel_state.destroy_model_parallel()
-    if started:
-        torch.distributed.destroy_process_group()
-    for k, v in old.items():
-        if v is None:
-            os.environ.pop(k, None)
-        else:
-            os.environ[k] = v
 
 
 def _model(seed=0, **overrides):

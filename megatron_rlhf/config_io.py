@@ -1,0 +1,229 @@
+"""Structured configs over nested dataclasses, independent of what the groups hold: defaults <- YAML
+file <- dotted `key=value` overrides merged with OmegaConf and type-checked against the dataclasses,
+with every failure turned into one `ConfigError` line that names the key, the value and the fix
+(closest valid key for a typo); plus the listing of keys, YAML output and the `--help` text.
+`config.py` holds the groups themselves and what a loaded config must satisfy.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import os
+import typing
+from typing import Any, Optional, Sequence
+
+from megatron_rlhf.fields import ConfigError
+
+
+def structured(cls: type, yaml_path: Optional[str] = None, overrides: Sequence[str] = ()) -> tuple:
+    """(instance of `cls` from defaults <- YAML <- overrides, the dotted keys the user set explicitly)."""
+    from omegaconf import OmegaConf
+
+    merged = OmegaConf.structured(cls)
+    explicit: set = set()  # dotted keys the user set: an explicit model field must agree with hf_config
+    sources = [(_read_yaml(yaml_path), f"in {yaml_path}")] if yaml_path is not None else []
+    sources += [(_parse_override(item), f"in override '{item}'") for item in overrides]
+    for new, where in sources:
+        merged = _merge(cls, merged, new, where)
+        explicit.update(_leaf_keys(new))
+    try:
+        cfg = OmegaConf.to_object(merged)
+    except Exception as e:  # interpolation / missing-value errors
+        raise ConfigError(_omegaconf_message(cls, e, None, "")) from None
+    return cfg, frozenset(explicit)
+
+
+def _leaf_keys(node, prefix: str = "") -> list:
+    from omegaconf import DictConfig
+
+    keys = []
+    for k in node.keys():
+        value = node._get_node(k)
+        if isinstance(value, DictConfig) and not value._is_none():
+            keys.extend(_leaf_keys(value, f"{prefix}{k}."))
+        else:
+            keys.append(f"{prefix}{k}")
+    return keys
+
+
+def _read_yaml(path: str):
+    from omegaconf import DictConfig, OmegaConf
+
+    if not os.path.isfile(path):
+        raise ConfigError(f"config file '{path}' not found (cwd: {os.getcwd()}): pass an existing YAML file")
+    try:
+        data = OmegaConf.load(path)
+    except Exception as e:
+        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise ConfigError(f"config file '{path}' is not valid YAML: {first}") from None
+    if data is None or (not isinstance(data, DictConfig)):
+        if data is None or len(data) == 0:
+            return OmegaConf.create({})
+        raise ConfigError(f"config file '{path}' must hold a mapping of groups (model:, train:, ...), not a list")
+    return data
+
+
+def _parse_override(item: str):
+    from omegaconf import OmegaConf
+
+    key, sep, _ = item.partition("=")
+    if not sep or not key.strip():
+        raise ConfigError(f"override '{item}' is not key=value (example: train.lr=1e-4)")
+    try:
+        return OmegaConf.from_dotlist([item])
+    except Exception as e:
+        first = str(e).strip().splitlines()[0]
+        raise ConfigError(f"override '{item}' could not be parsed: {first}") from None
+
+
+def _merge(cls: type, base, new, source: str):
+    from omegaconf import OmegaConf
+
+    try:
+        return OmegaConf.merge(base, new)
+    except Exception as e:
+        raise ConfigError(_omegaconf_message(cls, e, new, source)) from None
+
+
+def _omegaconf_message(cls: type, e: Exception, new, source: str) -> str:
+    """Turn an OmegaConf error into one line that names the key, value and fix."""
+    from omegaconf import OmegaConf
+    from omegaconf.errors import ConfigKeyError, MissingMandatoryValue, ValidationError
+
+    key = getattr(e, "full_key", None) or None
+    where = f" ({source})" if source else ""
+    if isinstance(e, ConfigKeyError) and key:
+        return f"unknown config key '{key}'{where}: {_suggest(cls, key)}"
+    if isinstance(e, MissingMandatoryValue) and key:
+        return f"config key '{key}' has no value: set it in the YAML file or as {key}=..."
+    if isinstance(e, ValidationError):
+        if key is None and new is not None:
+            key = _first_bad_group(cls, new)
+        if key:
+            value = OmegaConf.select(new, key, throw_on_missing=False) if new is not None else None
+            expected = _type_name(_field_type(cls, key))
+            return (
+                f"config key '{key}' has value {value!r} of type {type(value).__name__}{where}: expected {expected}"
+            )
+    first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+    return f"invalid config{where}: {first}" + (f" (key '{key}')" if key else "")
+
+
+def _first_bad_group(cls: type, new) -> Optional[str]:
+    """A group given a scalar (`train: 5`) has no full_key in OmegaConf's error: find it ourselves."""
+    from omegaconf import DictConfig
+
+    for name, f in _dc_fields(cls).items():
+        if dataclasses.is_dataclass(f) and name in new and not isinstance(new[name], DictConfig):
+            return name
+    return None
+
+
+def _dc_fields(cls: type) -> dict:
+    """name -> resolved type for the fields of dataclass `cls`."""
+    hints = typing.get_type_hints(cls)
+    return {f.name: hints[f.name] for f in dataclasses.fields(cls)}
+
+
+def _unwrap_optional(tp):
+    args = typing.get_args(tp)
+    if typing.get_origin(tp) is typing.Union and type(None) in args:
+        rest = [a for a in args if a is not type(None)]
+        return rest[0] if len(rest) == 1 else tp, True
+    return tp, False
+
+
+def _field_type(cls: type, dotted: str):
+    tp: Any = cls
+    for part in dotted.split("."):
+        inner, _ = _unwrap_optional(tp)
+        if not dataclasses.is_dataclass(inner):
+            return None
+        fields = _dc_fields(inner)
+        if part not in fields:
+            return None
+        tp = fields[part]
+    return tp
+
+
+def _type_name(tp) -> str:
+    if tp is None:
+        return "a valid value"
+    inner, optional = _unwrap_optional(tp)
+    if dataclasses.is_dataclass(inner):
+        name = "a mapping (a config group)"
+    else:
+        name = getattr(inner, "__name__", None) or str(inner).replace("typing.", "")
+    return f"{name} or null" if optional else name
+
+
+def all_keys(cls: type, prefix: str = "") -> list:
+    """Every dotted leaf key of config class `cls` (groups expanded)."""
+    keys = []
+    for name, tp in _dc_fields(cls).items():
+        inner, _ = _unwrap_optional(tp)
+        full = f"{prefix}{name}"
+        if dataclasses.is_dataclass(inner):
+            keys.extend(all_keys(inner, full + "."))
+        else:
+            keys.append(full)
+    return keys
+
+
+def _suggest(cls: type, key: str) -> str:
+    """'did you mean ...' for an unknown dotted key: a close sibling, then the same leaf elsewhere."""
+    parent, _, leaf = key.rpartition(".")
+    parent_type = _unwrap_optional(_field_type(cls, parent))[0] if parent else cls
+    if dataclasses.is_dataclass(parent_type):
+        siblings = list(_dc_fields(parent_type))
+        close = difflib.get_close_matches(leaf, siblings, n=1, cutoff=0.6)
+        if close:
+            return f"did you mean '{parent + '.' if parent else ''}{close[0]}'?"
+    everything = all_keys(cls)
+    same_leaf = [k for k in everything if k.rsplit(".", 1)[-1] == leaf]
+    if same_leaf:
+        return f"did you mean '{same_leaf[0]}'?"
+    close = difflib.get_close_matches(key, everything, n=1, cutoff=0.5)
+    if not close:
+        by_leaf = {k.rsplit(".", 1)[-1]: k for k in everything}
+        leaf_close = difflib.get_close_matches(leaf, list(by_leaf), n=1, cutoff=0.6)
+        close = [by_leaf[leaf_close[0]]] if leaf_close else []
+    if close:
+        return f"did you mean '{close[0]}'?"
+    if dataclasses.is_dataclass(parent_type):
+        return f"valid keys{' in ' + repr(parent) if parent else ''}: {', '.join(_dc_fields(parent_type))}"
+    return "see --help for the valid keys"
+
+
+def to_yaml(cfg: Any) -> str:
+    """The config as YAML text (loadable again with `load_config`)."""
+    from omegaconf import OmegaConf
+
+    return OmegaConf.to_yaml(OmegaConf.structured(cfg))
+
+
+def describe(cls: type, external_help: Optional[dict] = None) -> str:
+    """Human-readable list of the groups and fields of `cls`, with types, defaults and help."""
+    lines = []
+    defaults = cls()
+    for group, tp in _dc_fields(cls).items():
+        inner, _ = _unwrap_optional(tp)
+        if not dataclasses.is_dataclass(inner):
+            continue
+        doc = (inner.__doc__ or "").strip().splitlines()[0] if inner.__doc__ else ""
+        if doc.startswith(f"{inner.__name__}("):  # dataclass auto-doc: not helpful
+            doc = ""
+        lines.append(f"{group}:" + (f"  # {doc}" if doc else ""))
+        obj = getattr(defaults, group)
+        hints = _dc_fields(inner)
+        for f in dataclasses.fields(inner):
+            default = getattr(obj, f.name)
+            shown = "null" if default is None else repr(default) if isinstance(default, str) else default
+            help_text = f.metadata.get("help") or (external_help or {}).get(f"{group}.{f.name}", "")
+            choices = f.metadata.get("choices")
+            if choices:
+                help_text += " [" + "|".join("null" if c is None else str(c) for c in choices) + "]"
+            left = f"  {group}.{f.name} ({_type_name(hints[f.name])}) = {shown}"
+            lines.append(f"{left:<58} {help_text}".rstrip())
+    return "\n".join(lines)

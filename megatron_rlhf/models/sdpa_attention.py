@@ -1,0 +1,52 @@
+"""Core attention of the local (non-Transformer-Engine) layer spec through `torch.nn.functional.
+scaled_dot_product_attention`: one fused op instead of Megatron's `DotProductAttention` chain (GQA
+`repeat_interleave` of the keys and values, `baddbmm`, mask fill, softmax, `bmm`, permutes).
+
+Why: a profile of the PPO iteration on CPU (benchmarks/ppo_iteration.py) puts that chain among the
+largest costs of the Megatron forward and backward, and in KV-cache decoding the `repeat_interleave`
+copies the whole cache on every step. SDPA reads grouped keys in place (`enable_gqa`).
+
+Only the cases the trainer and the sampler use take the fused path; everything else (an explicit
+attention mask, sliding windows, softmax offsets, fp16 layer scaling, attention dropout in training,
+a query block shorter than the keys but longer than one token) runs Megatron's own implementation.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+from megatron.core.transformer.dot_product_attention import DotProductAttention
+from megatron.core.transformer.enums import AttnMaskType
+
+
+class SDPAttention(DotProductAttention):
+    """Drop-in `core_attention`: query [sq, b, np, hn], key/value [sk, b, ng, hn] -> [sq, b, np * hn]."""
+
+    def _fused_path_applies(self, query, key, attention_mask, attention_bias, packed_seq_params) -> bool:
+        sq, sk = query.shape[0], key.shape[0]
+        return (
+            attention_mask is None
+            and attention_bias is None
+            and packed_seq_params is None
+            and self.softmax_offset is None
+            and self.scale_mask_softmax.window_size is None
+            and not self.config.apply_query_key_layer_scaling
+            and not (self.training and self.attention_dropout.p > 0)
+            and (sq == 1 or (sq == sk and self.attn_mask_type == AttnMaskType.causal))
+        )
+
+    def forward(self, query, key, value, attention_mask: Optional[torch.Tensor],
+                attn_mask_type: Optional[AttnMaskType] = None, attention_bias=None, packed_seq_params=None):
+        if not self._fused_path_applies(query, key, attention_mask, attention_bias, packed_seq_params):
+            return super().forward(query, key, value, attention_mask, attn_mask_type, attention_bias,
+                                   packed_seq_params)
+        sq, b = query.shape[0], query.shape[1]
+        # [s, b, heads, hn] -> [b, heads, s, hn]
+        q, k, v = (t.permute(1, 2, 0, 3) for t in (query, key, value))
+        context = torch.nn.functional.scaled_dot_product_attention(
+            q, k, v, is_causal=sq > 1, scale=self.softmax_scale,
+            enable_gqa=self.num_attention_heads_per_partition != self.num_query_groups_per_partition,
+        )
+        # [b, np, sq, hn] -> [sq, b, np * hn]
+        return context.permute(2, 0, 1, 3).reshape(sq, b, self.hidden_size_per_partition)
