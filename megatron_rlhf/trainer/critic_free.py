@@ -58,13 +58,30 @@ def estimate_critic_free(exp: Experience, estimator: str, k: int, beta: float, k
     return exp
 
 
-def greedy_baseline(engine, prompt_rows: List[List[int]], tokenizer, reward_chunks, frozen, cfg) -> torch.Tensor:
-    """ReMax: [B] scores (RM, or the missing-EOS penalty) of one greedy response per prompt of this rank."""
+def estimate(exp: Experience, p, beta: float, greedy: Optional[torch.Tensor], dp_group=None) -> Dict[str, torch.Tensor]:
+    """Phase 4 for any `ppo.advantage_estimator` (p: the ppo config group); returns the group diagnostics
+    (empty for gae). The KL goes into the reward only with ppo.kl_in=reward (else ppo_learn adds it to the loss)."""
+    from megatron_rlhf.trainer.experience import estimate_advantages
+
+    reward_beta = beta if p.kl_in == "reward" else 0.0
+    if p.advantage_estimator == "gae":
+        estimate_advantages(exp, reward_beta, p.kl_estimator, p.gamma, p.lam, p.whiten_advantages, dp_group)
+        return {}
+    estimate_critic_free(exp, p.advantage_estimator, p.samples_per_prompt, reward_beta, p.kl_estimator, p.kl_in,
+                         p.whiten_advantages, greedy, dp_group)
+    return group_stats(exp.scores, p.samples_per_prompt, greedy, dp_group)
+
+
+def remax_baseline(engine, prompt_rows: List[List[int]], tokenizer, reward_chunks, frozen, cfg) -> Optional[torch.Tensor]:
+    """ReMax: [B] scores (RM, or the missing-EOS penalty) of one greedy response per prompt of this rank;
+    None for the other estimators."""
     from megatron_rlhf.rollout.base import SamplingParams
     from megatron_rlhf.trainer.experience import score_responses
     from megatron_rlhf.trainer.ppo_eval import generate
 
     p = cfg.ppo
+    if p.advantage_estimator != "remax":
+        return None
     exp = generate(engine, prompt_rows, tokenizer, SamplingParams(p.max_new_tokens, p.temperature, greedy=True), None)
     return score_responses(reward_chunks, exp.microbatches(cfg.train.micro_batch_size), frozen)[1]
 

@@ -27,12 +27,12 @@ from megatron_rlhf.batching import ShardedBatchSampler
 from megatron_rlhf.checkpoint import state as ckpt
 from megatron_rlhf.metrics import peak_memory_gib
 from megatron_rlhf.parallel import init
-from megatron_rlhf.ppo_config import check_ppo_layout, critic_free, rollouts_per_iteration
+from megatron_rlhf.ppo_config import check_ppo_layout, rollouts_per_iteration
 from megatron_rlhf.rollout.base import SamplingParams
 from megatron_rlhf.rollout.megatron_engine import MegatronRolloutEngine
 from megatron_rlhf.trainer import critic_free as cf
 from megatron_rlhf.trainer.doctor import Doctor
-from megatron_rlhf.trainer.experience import Frozen, estimate_advantages, rollout_stats, score_and_recompute
+from megatron_rlhf.trainer.experience import Frozen, rollout_stats, score_and_recompute
 from megatron_rlhf.trainer.ppo_eval import evaluate, generate, load_gold_scorer, sample_panel, summary, uniforms
 from megatron_rlhf.trainer.ppo_learn import SkipGuard, TrainingDiverged, learn
 from megatron_rlhf.trainer.ppo_models import build_ppo_models
@@ -124,19 +124,10 @@ def fit(cfg) -> Dict[str, float]:
                 exp = rollout(engine, train_prompts, prompt_indices, cfg, iteration, ctx.dp_rank, tok)
             with metrics.timer("time/score"), m.frozen_on_device():
                 score_and_recompute(exp, m.forward_models(), frozen, cfg.train.micro_batch_size)
-                greedy = (cf.greedy_baseline(engine, [train_prompts[i] for i in prompt_indices], tok, m.reward, frozen,
-                                             cfg) if p.advantage_estimator == "remax" else None)
+                greedy = cf.remax_baseline(engine, [train_prompts[i] for i in prompt_indices], tok, m.reward, frozen, cfg)
             with metrics.timer("time/advantages"):
-                reward_beta = kl_ctl.beta if p.kl_in == "reward" else 0.0
-                if critic_free(p):
-                    cf.estimate_critic_free(exp, p.advantage_estimator, p.samples_per_prompt, reward_beta,
-                                            p.kl_estimator, p.kl_in, p.whiten_advantages, greedy, dp_group)
-                else:
-                    estimate_advantages(exp, reward_beta, p.kl_estimator, p.gamma, p.lam, p.whiten_advantages, dp_group)
-                stats = {f"ppo/{k}": float(v) for k, v in rollout_stats(exp, dp_group).items()}
-                if critic_free(p):
-                    group = cf.group_stats(exp.scores, p.samples_per_prompt, greedy, dp_group)
-                    stats.update({f"ppo/{k}": float(v) for k, v in group.items()})
+                group = cf.estimate(exp, cfg.ppo, kl_ctl.beta, greedy, dp_group)  # GAE, or grpo/rloo/remax
+                stats = {f"ppo/{k}": float(v) for k, v in {**rollout_stats(exp, dp_group), **group}.items()}
                 batch = all_gather_experience(exp, dp_group)
             with metrics.timer("time/train"):
                 learned = learn(m.policy, m.value, batch, cfg, iteration=iteration, dp_rank=ctx.dp_rank,
