@@ -77,16 +77,32 @@ class Experience:
         out.input_ids = out.input_ids[:, :width]
         return out
 
-    def microbatches(self, micro_batch_size: int) -> List[Dict[str, torch.Tensor]]:
+    def microbatches(self, micro_batch_size: int, same_width: Optional[bool] = None) -> List[Dict[str, torch.Tensor]]:
         """Consecutive micro-batches as dicts for Megatron's schedule (`input_ids`, `response_index` and
-        every field that is set)."""
+        every field that is set).
+
+        same_width: right-pad every micro-batch's input_ids to the widest one (pipeline stages exchange
+        activations of one fixed shape; right padding changes no causal output at a real position).
+        None: only under pipeline parallelism, so pp=1 computes exactly what it did before."""
         out = []
         for start in range(0, self.size, micro_batch_size):
             part = self.rows(range(start, min(start + micro_batch_size, self.size)))
             mb = {f.name: getattr(part, f.name) for f in fields(part) if getattr(part, f.name) is not None}
             mb["response_index"] = part.response_index()
             out.append(mb)
+        if same_width is None:
+            same_width = _pipeline_parallel()
+        if same_width and out:
+            width = max(mb["input_ids"].shape[1] for mb in out)
+            for mb in out:
+                mb["input_ids"] = torch.nn.functional.pad(mb["input_ids"], (0, width - mb["input_ids"].shape[1]), value=0)
         return out
+
+
+def _pipeline_parallel() -> bool:
+    from megatron.core import parallel_state as ps
+
+    return ps.model_parallel_is_initialized() and ps.get_pipeline_model_parallel_world_size() > 1
 
 
 def build_experience(prompt_ids: Sequence[Sequence[int]], generation: Dict[str, torch.Tensor], pad_id: int) -> Experience:

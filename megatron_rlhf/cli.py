@@ -8,6 +8,7 @@
     megatron-rlhf convert hf-to-megatron --hf-dir IN --out OUT   # and megatron-to-hf
     megatron-rlhf prepare-tiny OUT_DIR                # data + tokenizer of the tiny CPU task
     megatron-rlhf launch --nproc-per-node N sft ...   # N ranks on this node (preemption-safe torchrun)
+    megatron-rlhf plan CONFIG.yaml [key=value ...]    # will the layout fit? (bytes per GPU, before submitting)
     megatron-rlhf <command> --help                    # a config command lists its groups and fields
 
 Every command is one line of `COMMANDS`. A config command (`config=` set) loads
@@ -44,6 +45,8 @@ COMMANDS = {
     "convert": Command("HF <-> Megatron checkpoints: convert hf-to-megatron|megatron-to-hf ...", "megatron_rlhf.checkpoint.convert_cli:main"),
     "prepare-tiny": Command("write the tiny sort-digits task (tokenizer + jsonl)", "megatron_rlhf.tasks.sort_digits:main"),
     "launch": Command("run N ranks of a command on this node: launch --nproc-per-node N sft CONFIG.yaml ...", "megatron_rlhf.launch:main"),
+    "plan": Command("memory/layout plan of a stage before submitting: plan CONFIG.yaml [key=value ...] [--json]", "megatron_rlhf.plan.cli:main"),
+    "submit": Command("Slurm job of a stage, planned first: submit ppo CONFIG.yaml --cluster C.yaml [--dryrun]", "megatron_rlhf.slurm.submit:main"),
     "tiny-pairs": Command("preference pairs for the tiny task from two SFT-policy samples per prompt", "megatron_rlhf.tasks.sft_pairs:main"),
 }
 

@@ -32,6 +32,7 @@ from megatron_rlhf.fields import ConfigError, help_field as _f, require as _requ
 from megatron_rlhf.models.spec import ModelConfig, model_config_from_hf
 from megatron_rlhf.parallel.layout import Fp8Config, ParallelConfig
 from megatron_rlhf.ppo_config import PPOSection, validate_ppo
+from megatron_rlhf.rollout_config import RolloutSection
 
 
 # --------------------------------------------------------------------------------------------
@@ -94,6 +95,7 @@ _EXTERNAL_HELP = {
     "parallel.cp": "context-parallel size",
     "parallel.sequence_parallel": "shard activations along the sequence (needs tp > 1)",
     "parallel.use_distributed_optimizer": "shard optimizer state over data-parallel ranks",
+    "parallel.recompute": "activation recompute: null (off) | selective (attention) | full (every layer)",
     "fp8.format": "e4m3 | hybrid | null (off); GPU with Transformer Engine only",
     "fp8.recipe": "delayed | tensorwise | mxfp8 | blockwise",
     "fp8.amax_history_len": "amax history length (delayed scaling)",
@@ -224,6 +226,7 @@ class PPOConfig(RunConfig):
     """
 
     ppo: PPOSection = field(default_factory=PPOSection)
+    rollout: RolloutSection = field(default_factory=RolloutSection)
 
 
 # --------------------------------------------------------------------------------------------
@@ -293,7 +296,7 @@ def read_model_config(directory: str) -> Optional[ModelConfig]:
     return None
 
 
-def _resolve_model(section: ModelSection, explicit: frozenset = frozenset()) -> None:
+def resolve_model(section: ModelSection, explicit: frozenset = frozenset()) -> None:
     """Fill the inline architecture fields from hf_config / load (see ModelSection)."""
     source, arch = None, None
     if section.hf_config is not None:
@@ -322,7 +325,7 @@ def _resolve_model(section: ModelSection, explicit: frozenset = frozenset()) -> 
 def _finalize(cfg: Any, explicit: frozenset = frozenset()) -> None:
     """Derived defaults that depend on other keys (written into the resolved config)."""
     if isinstance(cfg, RunConfig):
-        _resolve_model(cfg.model, frozenset(explicit))
+        resolve_model(cfg.model, frozenset(explicit))
         if cfg.data.seed is None:
             cfg.data.seed = cfg.train.seed
         if cfg.checkpoint.dir is None:

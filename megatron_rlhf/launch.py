@@ -1,6 +1,9 @@
 """`megatron-rlhf launch`: N ranks of a megatron-rlhf command on one node, as `srun` starts them.
 
     megatron-rlhf launch --nproc-per-node 2 sft examples/tiny/sft.yaml train.train_steps=200
+    # on each of M nodes (slurm/node.sh does this): ranks node_rank*N .. node_rank*N + N-1 of M*N
+    megatron-rlhf launch --nnodes M --node-rank $SLURM_NODEID --nproc-per-node N \
+        --master-addr FIRST_NODE --master-port 29500 ppo CONFIG.yaml
 
 Why not torchrun: torchrun starts each rank in a session of its own, so a signal to the job's
 process group (Slurm's preemption SIGUSR1, a terminal's SIGTERM) reaches only torchrun, which dies
@@ -44,13 +47,19 @@ def _parse(argv: Sequence[str]) -> argparse.Namespace:
         description="Run N ranks of a megatron-rlhf command on this node (signals reach every rank).",
     )
     p.add_argument("--nproc-per-node", "--nproc_per_node", type=int, default=1, help="ranks to start")
-    p.add_argument("--master-addr", default="127.0.0.1", help="rendezvous address (this node)")
+    p.add_argument("--nnodes", type=int, default=1, help="nodes of the job, one launcher each (Slurm: $SLURM_JOB_NUM_NODES)")
+    p.add_argument("--node-rank", type=int, default=0, help="this node's index (Slurm: $SLURM_NODEID)")
+    p.add_argument("--master-addr", default="127.0.0.1", help="rendezvous address (the first node)")
     p.add_argument("--master-port", type=int, default=None, help="rendezvous port (default: a free one)")
     p.add_argument("--grace", type=float, default=10.0, help="seconds the other ranks get after one fails")
     p.add_argument("command", nargs=argparse.REMAINDER, help="megatron-rlhf command and its arguments")
     args = p.parse_args(list(argv))
     if args.nproc_per_node < 1:
         p.error(f"--nproc-per-node must be >= 1 (got {args.nproc_per_node})")
+    if not 0 <= args.node_rank < args.nnodes:
+        p.error(f"--node-rank {args.node_rank} must be in [0, --nnodes {args.nnodes})")
+    if args.nnodes > 1 and args.master_port is None:
+        p.error("--master-port is needed with --nnodes > 1 (every node must use the same one)")
     if not args.command:
         p.error("give a megatron-rlhf command, e.g. sft CONFIG.yaml")
     return args
@@ -92,7 +101,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     lifetime.prctl(lifetime.PR_SET_CHILD_SUBREAPER, 1)
     n = args.nproc_per_node
     base = dict(os.environ, MASTER_ADDR=args.master_addr, MASTER_PORT=str(args.master_port or _free_port()),
-                WORLD_SIZE=str(n), LOCAL_WORLD_SIZE=str(n), **{lifetime.LAUNCHER_ENV: str(os.getpid())})
+                WORLD_SIZE=str(n * args.nnodes), LOCAL_WORLD_SIZE=str(n), **{lifetime.LAUNCHER_ENV: str(os.getpid())})
     cmd = [sys.executable, "-m", "megatron_rlhf.cli", *args.command]
     ranks: List[subprocess.Popen] = []
 
@@ -107,7 +116,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     for sig in FORWARDED:
         signal.signal(sig, forward)
     for r in range(n):
-        ranks.append(subprocess.Popen(cmd, env=dict(base, RANK=str(r), LOCAL_RANK=str(r))))
+        rank = args.node_rank * n + r
+        ranks.append(subprocess.Popen(cmd, env=dict(base, RANK=str(rank), LOCAL_RANK=str(r))))
     failed_at, code = None, 0
     while any(p.poll() is None for p in ranks):
         for p in ranks:

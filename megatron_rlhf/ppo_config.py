@@ -53,6 +53,8 @@ class PPOSection:
     doctor: DoctorConfig = _f(help="thresholds of the live warnings (trainer/doctor.py), e.g. ppo.doctor.entropy_fraction=0.1",
                               factory=DoctorConfig)
     max_consecutive_skips: int = _f(3, "stop after this many optimizer steps in a row skipped for NaN/Inf")
+    inference_tp: Optional[int] = _f(None, "reference and reward models in their own layout: TP=this, PP=1, "
+                                     "DP=world/this (loaded resharded); null = the training layout")
     offload_frozen: bool = _f(False, "GPU: keep reference and reward weights on the CPU between uses")
     export_hf: bool = _f(True, "export the final policy to <run_dir>/hf_policy (transformers format)")
 
@@ -118,6 +120,8 @@ def validate_siblings(cfg) -> None:
             "ppo.kl_in=loss with ppo.kl_estimator=k1: k1's gradient is zero in expectation; set ppo.kl_estimator=k3 "
             "(as GRPO) or k2")
     require(p.ptx_coef >= 0, f"ppo.ptx_coef={p.ptx_coef} must be >= 0")
+    require(p.ptx_coef == 0 or cfg.parallel.pp == 1, f"ppo.ptx_coef={p.ptx_coef} with parallel.pp={cfg.parallel.pp}: "
+            "PPO-ptx micro-batches are not padded to the pipeline's fixed width yet; use parallel.pp=1 or ppo.ptx_coef=0")
     require(p.ptx_coef == 0 or p.ptx_data is not None,
             f"ppo.ptx_coef={p.ptx_coef} needs ppo.ptx_data (SFT-format rows: prompt, response)")
     from megatron_rlhf.config import _paths_exist  # config imports this module: import at call time
@@ -126,7 +130,8 @@ def validate_siblings(cfg) -> None:
 
 
 def check_ppo_layout(cfg, dp_size: int) -> None:
-    """The rollout and minibatch split over data-parallel ranks and micro-batches (one clear error)."""
+    """The rollout and minibatch split over data-parallel ranks and micro-batches, and the generation
+    layout (`rollout` group) against the world size (one clear error)."""
     p, mbs = cfg.ppo, cfg.train.micro_batch_size
     if p.rollout_batch_size % dp_size:
         raise ConfigError(
@@ -136,8 +141,17 @@ def check_ppo_layout(cfg, dp_size: int) -> None:
         raise ConfigError(
             f"ppo.minibatch_size={p.minibatch_size} is not divisible by data-parallel size * train.micro_batch_size "
             f"= {dp_size}*{mbs}: change one of them")
-    if cfg.parallel.pp > 1 or cfg.parallel.cp > 1 or cfg.parallel.sequence_parallel:
+    if cfg.parallel.cp > 1 or cfg.parallel.sequence_parallel:
         raise ConfigError(
-            "the PPO stage generates with the Megatron sampler in the training layout, which needs "
-            f"parallel.pp=1, cp=1 and no sequence_parallel (got pp={cfg.parallel.pp}, cp={cfg.parallel.cp}, "
-            f"sequence_parallel={cfg.parallel.sequence_parallel}); use tp and dp for now")
+            "the PPO stage supports tp, pp (and vpp) and dp; got "
+            f"parallel.cp={cfg.parallel.cp}, sequence_parallel={cfg.parallel.sequence_parallel}: use cp=1 and no "
+            "sequence_parallel")
+    from megatron_rlhf.rollout_config import check_rollout
+
+    # Generation runs in its own tp-only layout (rollout/hybrid.py), so any pp trains.
+    world = dp_size * cfg.parallel.tp * cfg.parallel.pp * cfg.parallel.cp
+    check_rollout(cfg, world)
+    if p.inference_tp is not None:
+        from megatron_rlhf.rollout_config import check_layout_tp
+
+        check_layout_tp("ppo.inference_tp", p.inference_tp, world, cfg.model.to_model_config(), cfg.parallel.tp)

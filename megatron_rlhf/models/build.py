@@ -28,8 +28,12 @@ def build_model_chunk(
     post_process: bool = True,
     vp_stage: Optional[int] = None,
     config=None,
+    pg_collection=None,
 ):
-    """One GPTModel (chunk) for this rank. `config` defaults to `transformer_config(model, parallel, fp8)`."""
+    """One GPTModel (chunk) for this rank. `config` defaults to `transformer_config(model, parallel, fp8)`.
+
+    `pg_collection` (a Megatron `ProcessGroupCollection`): the model's own process groups, for a layout
+    other than the one in Megatron's parallel state (rollout/hybrid.py); None: parallel state's."""
     from megatron.core import parallel_state
     from megatron.core.models.gpt import GPTModel
 
@@ -38,7 +42,7 @@ def build_model_chunk(
     scalar = head == "scalar"
     gpt = GPTModel(
         config=config,
-        transformer_layer_spec=layer_spec(),
+        transformer_layer_spec=layer_spec(te=True if fp8 is not None and fp8.format is not None else None),
         vocab_size=model.padded_vocab_size(parallel.tp),
         max_sequence_length=model.max_position_embeddings,
         pre_process=pre_process,
@@ -51,11 +55,11 @@ def build_model_chunk(
         rope_scaling_factor=rope.get("factor", 8.0),
         seq_len_interpolation_factor=rope["factor"] if rope.get("type") == "linear" else None,
         vp_stage=vp_stage,
+        pg_collection=pg_collection,
     )
     if scalar and post_process:
-        gpt.output_layer = ScalarHead(
-            config, model.hidden_size, tp_group=parallel_state.get_tensor_model_parallel_group()
-        )
+        tp_group = pg_collection.tp if pg_collection is not None else parallel_state.get_tensor_model_parallel_group()
+        gpt.output_layer = ScalarHead(config, model.hidden_size, tp_group=tp_group)
     return gpt
 
 

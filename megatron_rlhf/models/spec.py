@@ -203,9 +203,16 @@ def use_te_spec() -> bool:
 
 def layer_spec(te: Optional[bool] = None):
     """Megatron ModuleSpec for one decoder layer: TE-fused on GPU with TE, local modules otherwise
-    (with `SDPAttention` as core attention)."""
+    (with `SDPAttention` as core attention).
+
+    `te=True` (FP8 runs) insists on Transformer Engine: FP8 never silently becomes a bf16 run."""
     from megatron.core.models.gpt import gpt_layer_specs
 
+    if te and not transformer_engine_available():
+        from megatron_rlhf.parallel.layout import LayoutError
+
+        raise LayoutError("FP8 needs the Transformer Engine layer spec, but CUDA or Transformer Engine is missing: "
+                          "pip install 'megatron_rlhf[gpu]' on a GPU machine, or set fp8.format=null")
     if use_te_spec() if te is None else te:
         return gpt_layer_specs.get_gpt_layer_with_transformer_engine_spec()
     from megatron_rlhf.models.sdpa_attention import SDPAttention
@@ -260,6 +267,10 @@ def transformer_config(
         deallocate_pipeline_outputs=False,
     )
     kwargs.update(cpu.transformer_config_overrides())
+    if parallel.recompute == "selective":  # recompute core attention only (Megatron's default module list)
+        kwargs.update(recompute_granularity="selective")
+    elif parallel.recompute == "full":  # store each layer's input only; recompute the layer in backward
+        kwargs.update(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1)
     if fp8 is not None and fp8.format is not None:
         kwargs.update(
             fp8=fp8.format,

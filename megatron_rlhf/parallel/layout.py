@@ -13,6 +13,9 @@ class LayoutError(ValueError):
     """An impossible parallel layout. The message is one line naming the numbers and the fix."""
 
 
+RECOMPUTE_CHOICES = (None, "selective", "full")
+
+
 @dataclass
 class ParallelConfig:
     """How one model is split over the world.
@@ -26,6 +29,7 @@ class ParallelConfig:
     cp: int = 1  # context parallel
     sequence_parallel: bool = False
     use_distributed_optimizer: bool = False
+    recompute: Optional[str] = None  # activation recompute: None | "selective" (attention) | "full" (every layer)
 
     def dp(self, world_size: int) -> int:
         return world_size // (self.tp * self.pp * self.cp)
@@ -89,6 +93,8 @@ def validate_layout(
             f"model.num_layers={num_layers} is not divisible by {what}: pick a pipeline size that "
             f"divides {num_layers}"
         )
+    if p.recompute not in RECOMPUTE_CHOICES:
+        raise LayoutError(f"parallel.recompute={p.recompute!r} is not one of: null, selective, full")
     if p.sequence_parallel and p.tp < 2:
         raise LayoutError(
             f"parallel.sequence_parallel=true needs parallel.tp > 1 (got tp={p.tp}): "

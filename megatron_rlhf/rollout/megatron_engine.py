@@ -159,7 +159,7 @@ def _decode(gpt, prompt_ids, lengths, sampling: SamplingParams, eos_id, pad_id, 
         slot_uniforms = uniforms.gather(1, (slot - lengths.unsqueeze(1)).clamp(0, T - 1))
     ended = torch.zeros(b, dtype=torch.bool, device=device)
     last_slot = lengths + (T - 1)  # a row is complete once this slot is sampled
-    tp_group = _tp_group_to_agree()
+    tp_group = _tp_group_to_agree(gpt)
 
     ctx = StaticInferenceContext(max_batch_size=b, max_sequence_length=width - 1)
     logits = _forward(gpt, seq[:, :shortest], positions[:, :shortest], ctx)  # prefill the common prefix
@@ -241,13 +241,17 @@ def _pick(
     return token, log_probs.gather(-1, token.unsqueeze(-1)).squeeze(-1)
 
 
-def _tp_group_to_agree():
-    """The TP group whose rank 0 picks the tokens for all its ranks; None without TP (nothing to agree on)."""
-    from megatron.core import parallel_state as ps
+def _tp_group_to_agree(gpt):
+    """The TP group whose rank 0 picks the tokens for all its ranks; None without TP (nothing to agree on).
 
-    if ps.model_parallel_is_initialized() and ps.get_tensor_model_parallel_world_size() > 1:
-        return ps.get_tensor_model_parallel_group()
-    return None
+    The model's own group (its `pg_collection`), so a copy built in another layout (rollout/hybrid.py)
+    agrees within its own TP group, not the training one."""
+    group = getattr(getattr(gpt, "pg_collection", None), "tp", None)
+    if group is None:
+        from megatron.core import parallel_state as ps
+
+        group = ps.get_tensor_model_parallel_group() if ps.model_parallel_is_initialized() else None
+    return group if group is not None and torch.distributed.get_world_size(group) > 1 else None
 
 
 # --------------------------------------------------------------------------- inputs
@@ -255,20 +259,19 @@ def _tp_group_to_agree():
 
 def _single_chunk(model: Model):
     """The GPTModel to decode with; refuses layouts this sampler does not handle."""
-    from megatron.core import parallel_state as ps
     from megatron.core.utils import unwrap_model
 
     from megatron_rlhf.models.heads import ScalarHead
 
     chunks: List[torch.nn.Module] = list(model) if isinstance(model, (list, tuple)) else [model]
-    pp = ps.get_pipeline_model_parallel_world_size() if ps.model_parallel_is_initialized() else 1
+    gpt = unwrap_model(chunks[0])
+    config = gpt.config
+    pp = config.pipeline_model_parallel_size  # the model's own layout (a hybrid copy differs from training's)
     if len(chunks) != 1 or pp > 1:
         raise NotImplementedError(
             f"the megatron sampler needs pp=1 (got pp={pp}, {len(chunks)} model chunks on this rank): "
-            "generate with a tp-only copy of the policy, or use the vLLM engine"
+            "generate in a tp-only layout (rollout.tp, rollout/hybrid.py), or use the vLLM engine"
         )
-    gpt = unwrap_model(chunks[0])
-    config = gpt.config
     if config.context_parallel_size > 1:
         raise NotImplementedError(
             f"the megatron sampler needs cp=1 (got cp={config.context_parallel_size}): generate with a tp-only layout"

@@ -72,8 +72,14 @@ def last_token_scores(output: torch.Tensor, mb: Batch) -> torch.Tensor:
 
 
 def forward_collect(chunks, microbatches: List[Batch], extract: Callable[[torch.Tensor, Batch], torch.Tensor]) -> List[torch.Tensor]:
-    """Forward-only pass; `extract(output, mb)` per micro-batch, returned on every pipeline rank."""
+    """Forward-only pass; `extract(output, mb)` per micro-batch, returned on every pipeline rank.
+
+    `chunks` may be a frozen model in its own layout (trainer/inference_layout.py): it computes the
+    same quantity for the rows of all micro-batches at once."""
     from megatron.core import parallel_state as ps
+
+    if hasattr(chunks, "collect_rows"):
+        return [chunks.collect_rows(microbatches)]
 
     def forward_step(data_iterator, model):
         mb = next(data_iterator)

@@ -12,6 +12,10 @@ from typing import List
 
 import torch
 
+# Gradients accumulate and are reduced in an fp32 buffer whatever the parameter dtype (4 bytes per
+# parameter); the memory planner (plan/memory.py) reads this constant.
+GRAD_REDUCE_IN_FP32 = True
+
 
 def wrap_ddp(chunks: List[torch.nn.Module], use_distributed_optimizer: bool,
              check_for_nan_in_grad: bool = True) -> List[torch.nn.Module]:
@@ -22,7 +26,7 @@ def wrap_ddp(chunks: List[torch.nn.Module], use_distributed_optimizer: bool,
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
 
     ddp_config = DistributedDataParallelConfig(
-        grad_reduce_in_fp32=True,
+        grad_reduce_in_fp32=GRAD_REDUCE_IN_FP32,
         overlap_grad_reduce=False,
         use_distributed_optimizer=use_distributed_optimizer,
         check_for_nan_in_grad=check_for_nan_in_grad,

@@ -29,7 +29,7 @@ from megatron_rlhf.metrics import peak_memory_gib
 from megatron_rlhf.parallel import init
 from megatron_rlhf.ppo_config import check_ppo_layout, rollouts_per_iteration
 from megatron_rlhf.rollout.base import SamplingParams
-from megatron_rlhf.rollout.megatron_engine import MegatronRolloutEngine
+from megatron_rlhf.rollout.hybrid import make_rollout_engine
 from megatron_rlhf.trainer import critic_free as cf
 from megatron_rlhf.trainer.doctor import Doctor
 from megatron_rlhf.trainer.experience import Frozen, rollout_stats, score_and_recompute
@@ -103,7 +103,7 @@ def fit(cfg) -> Dict[str, float]:
             "steps_done": steps_done, "baseline": baseline, "last_eval": last_eval,
             **({"ptx": ptx.state_dict()} if ptx is not None else {})}, keep_last=cfg.checkpoint.keep_last)
 
-    engine = MegatronRolloutEngine(m.policy.chunks, eos_id=tok.eos_token_id, pad_id=tok.pad_token_id, vocab_size=vocab)
+    engine = make_rollout_engine(cfg, ctx.model_cfg, m.policy.chunks, tok)  # rollout.tp: own layout if needed
     def evaluate_policy() -> Dict[str, float]:
         if not eval_prompts:
             return {}

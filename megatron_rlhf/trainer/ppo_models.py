@@ -80,8 +80,13 @@ def build_ppo_models(cfg, ctx: RunContext, total_steps: int) -> PPOModels:
         value = build_trainable(cfg, ctx, "scalar", p.value_load or p.reward_load, "reward", total_steps,
                                 train_cfg=with_lr(cfg.train, p.value_lr), skip_head=p.value_head == "fresh",
                                 check_for_nan_in_grad=False)
-    reference = _freeze(build_frozen(cfg, ctx, "lm", cfg.model.load, "policy"))
-    reward = _freeze(build_frozen(cfg, ctx, "scalar", p.reward_load, "reward"))
+    if p.inference_tp is None:
+        reference = _freeze(build_frozen(cfg, ctx, "lm", cfg.model.load, "policy"))
+        reward = _freeze(build_frozen(cfg, ctx, "scalar", p.reward_load, "reward"))
+    else:  # their own layout, TP = ppo.inference_tp and PP = 1 (trainer/inference_layout.py)
+        from megatron_rlhf.trainer.inference_layout import build_frozen_pair
+
+        reference, reward = build_frozen_pair(cfg, ctx.model_cfg)
     mean, std = 0.0, 1.0
     if p.normalize_reward:
         cal = reward_calibration(p.reward_load)

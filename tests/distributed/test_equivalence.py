@@ -7,6 +7,8 @@ steps of an LM and of a value model (scalar head).
 
 import pytest
 
+from megatron_rlhf.models.spec import ModelConfig
+from megatron_rlhf.plan.params import Layout, stage_params
 from tests.distributed.launch import read_json, torchrun
 
 LAYOUTS = {
@@ -40,3 +42,9 @@ def test_layout_matches_single_rank(reference, layout):
         # Clipping was active (the norm exceeded 0.5) and training moved the loss.
         assert max(s["grad_norm"] for s in ref[head]) > 0.5
         assert ref[head][2]["loss"] < ref[head][0]["loss"]
+    # The planner's per-rank parameter counts are those of the real build of this layout.
+    model = ModelConfig(num_layers=4, hidden_size=32, ffn_hidden_size=64, num_attention_heads=4, num_query_groups=2,
+                        vocab_size=64, max_position_embeddings=64)
+    for head in ("lm", "scalar"):
+        for pp_rank, _tp_rank, count in got[f"params_{head}"]:
+            assert count == stage_params(model, Layout(tp, pp, vpp or None), pp_rank, head), (head, pp_rank)

@@ -2,8 +2,8 @@
 
 The module fixture trains a small SFT policy and a reward model through the CLI (as a user would);
 the tests then run `megatron-rlhf ppo` on them: the true (gold) reward rises, iteration 1 is exact
-(KL 0, ratio 1), exact resume, TP=2 against TP=1 x DP=2, NaN steps skipped / K in a row stop, and GRPO
-with PPO-ptx at DP=2 (whole groups, no value model).
+(KL 0, ratio 1), exact resume, TP=2 and PP=2 against TP=1 x DP=2, NaN steps skipped / K in a row stop,
+and GRPO with PPO-ptx at DP=2 (whole groups, no value model).
 """
 
 import json
@@ -123,7 +123,18 @@ def test_exact_resume_and_tp2_match_dp2(base, tmp_path):
     assert a[4]["ppo/kl_per_seq"] > 0  # then the policy moved
 
     torchrun(CLI, *ppo_args(base, tp2, **warm, **{"parallel.tp": 2}), nproc=2, timeout=600)
-    c = rows(tp2)
+    assert_same_metrics(a, rows(tp2))
+    # PP=2 trains while generating at TP=1 x DP=2 (rollout/hybrid.py swaps the weights every rollout) and
+    # scoring with reference and reward at ppo.inference_tp=1 (PP=1, DP=2); its first 2 iterations (value
+    # warm-up, then a policy step, and an eval) match too.
+    pp2 = tmp_path / "pp2"
+    torchrun(CLI, *ppo_args(base, pp2, **warm, **{"parallel.pp": 2, "ppo.iterations": 2, "ppo.inference_tp": 1}),
+             nproc=2, timeout=600)
+    assert sorted(rows(pp2)) == [0, 1, 2]
+    assert_same_metrics({step: a[step] for step in (0, 1, 2)}, rows(pp2))
+
+
+def assert_same_metrics(a, c):
     for step in a:
         for key, value in learning_metrics(a[step]).items():
             # Same draws, same minibatches; only fp32 summation order differs (TP splits the matmuls).

@@ -130,6 +130,7 @@ def test_critic_free_modes_build_no_value_model(monkeypatch):
     (["ppo.advantage_estimator=ppo2"], "ppo.advantage_estimator='ppo2' is not one of"),
     (["ppo.ptx_coef=0.1"], "ppo.ptx_coef=0.1 needs ppo.ptx_data"),
     (["ppo.ptx_coef=0.1", "ppo.ptx_data=/no/such.jsonl"], "ppo.ptx_data: '/no/such.jsonl' not found"),
+    (["ppo.ptx_coef=0.1", "ppo.ptx_data=/etc/hosts", "parallel.pp=2"], "ppo.ptx_coef=0.1 with parallel.pp=2"),
 ])
 def test_bad_sibling_settings_fail_with_one_line(overrides, message):
     with pytest.raises(C.ConfigError, match=message.replace("(", r"\(").replace(")", r"\)")) as e:

@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from megatron_rlhf import config as C
-from megatron_rlhf.batch import Experience, build_experience
+from megatron_rlhf.batch import build_experience
 from megatron_rlhf.ppo_config import check_ppo_layout
 from megatron_rlhf.trainer.ppo_eval import sample_panel, summary, uniforms
 from megatron_rlhf.trainer.ppo_learn import SkipGuard, TrainingDiverged
@@ -37,8 +37,14 @@ def test_layout_checks_name_the_fix():
     check_ppo_layout(cfg, 1)
     with pytest.raises(C.ConfigError, match=r"ppo.minibatch_size=64 is not divisible by .* 2\*64"):
         check_ppo_layout(cfg, 2)
-    with pytest.raises(C.ConfigError, match="parallel.pp=1"):
-        check_ppo_layout(load("parallel.pp=2"), 1)
+    check_ppo_layout(load("parallel.pp=2"), 1)  # generation runs in its own tp-only layout (rollout.tp)
+    with pytest.raises(C.ConfigError, match="parallel.cp=2"):
+        check_ppo_layout(load("parallel.cp=2"), 1)
+    with pytest.raises(C.ConfigError, match="rollout.tp=3 does not divide the world size 2"):
+        check_ppo_layout(load("rollout.tp=3", "train.micro_batch_size=32"), 2)
+    if not torch.cuda.is_available():
+        with pytest.raises(C.ConfigError, match="rollout.engine=vllm needs CUDA"):
+            check_ppo_layout(load("rollout.engine=vllm"), 1)
     assert load().train.global_batch_size  # the SFT batch keys do not constrain PPO
 
 

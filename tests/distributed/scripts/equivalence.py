@@ -93,6 +93,12 @@ def main():
     ):
         torch.manual_seed(7)
         chunks = build_model(model_cfg, parallel, head=head)
+        # (pp rank, tp rank, parameters on this rank) of every rank: the planner's counts are checked against it.
+        mine = [ps.get_pipeline_model_parallel_rank(), ps.get_tensor_model_parallel_rank(),
+                sum(p.numel() for c in chunks for p in c.parameters())]
+        counts = [None] * torch.distributed.get_world_size()
+        torch.distributed.all_gather_object(counts, mine)
+        results[f"params_{head}"] = counts
         share_initial_weights(chunks, os.path.join(init_dir, head), mode)
         chunks = wrap_ddp(chunks, distopt)
         # A tight clip so that clipping is active and its CPU path is exercised.

@@ -1,0 +1,256 @@
+"""Memory and layout plan of a stage on a cluster: does it fit, what dominates, what would make it fit.
+
+    plan = plan_stage(cfg, "ppo", Cluster(nodes=16, gpus_per_node=8, gpu_memory_gib=80))
+
+PPO has four models (ppo-spec.md): policy and value train in the training layout (parallel.*); the
+frozen reference and reward models run in the inference layout (TP=ppo.inference_tp, PP=1) when that
+key is set (the hybrid-engine issue), in the training layout otherwise; the policy generates in the
+generation layout (TP=rollout.tp, PP=1, DP=world/rollout.tp; the training TP when unset).
+
+Peak bytes per GPU = resident state (weights, gradients, optimizer of every model on the GPU) + the
+largest of the phases' extra needs: `train_policy`/`train_value` (activations), `rollout` (KV cache
+and, when the generation layout differs, the policy's copy in it) and `score` (the frozen models'
+forward, and their weights when `ppo.offload_frozen` keeps them in host memory between uses).
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Dict, List, Optional
+
+from megatron_rlhf.models.spec import ModelConfig
+from megatron_rlhf.parallel.layout import LayoutError, ParallelConfig, validate_layout
+from megatron_rlhf.plan.memory import (Activations, ModelMemory, activation_bytes, dtype_bytes, inference_bytes,
+                                       kv_cache_bytes, model_memory)
+from megatron_rlhf.plan.params import Layout, params_per_gpu
+
+GIB = 1024**3
+
+
+@dataclass
+class Cluster:
+    """Where the job runs (from the Slurm YAML of slurm/launch.py, or `plan` flags)."""
+
+    nodes: int = 1
+    gpus_per_node: int = 8
+    gpu_memory_gib: float = 80.0
+    reserve_gib: float = 4.0  # CUDA context, NCCL buffers, allocator fragmentation
+
+    @property
+    def world(self) -> int:
+        return self.nodes * self.gpus_per_node
+
+
+@dataclass
+class Plan:
+    stage: str
+    world: int
+    dp: int
+    models: List[ModelMemory]
+    phases: Dict[str, float]  # extra bytes per GPU of each phase on top of the resident state
+    gpu_bytes: float  # usable: GPU memory minus the reserve
+    suggestion: Optional[str] = None
+    notes: List[str] = field(default_factory=list)
+
+    @property
+    def state(self) -> float:
+        return sum(m.state for m in self.models if m.resident)
+
+    @property
+    def peak_phase(self) -> str:
+        return max(self.phases, key=self.phases.get)
+
+    @property
+    def total(self) -> float:
+        return self.state + max(self.phases.values(), default=0.0)
+
+    @property
+    def fits(self) -> bool:
+        return self.total <= self.gpu_bytes
+
+    def largest_term(self) -> tuple[str, float]:
+        """(description, bytes) of the biggest single term in the peak total."""
+        terms = {}
+        for m in self.models:
+            if m.resident:
+                for key in ("weights", "gradients", "optimizer"):
+                    terms[f"{m.name} {key}"] = getattr(m, key)
+        terms[f"{self.peak_phase} phase ({_phase_what(self.peak_phase)})"] = self.phases[self.peak_phase]
+        name = max(terms, key=terms.get)
+        return name, terms[name]
+
+    def to_dict(self) -> dict:
+        name, size = self.largest_term()
+        return {"stage": self.stage, "world": self.world, "dp": self.dp, "fits": self.fits,
+                "total_bytes_per_gpu": self.total, "state_bytes_per_gpu": self.state,
+                "gpu_bytes": self.gpu_bytes, "peak_phase": self.peak_phase, "phases": self.phases,
+                "largest_term": {"name": name, "bytes": size}, "suggestion": self.suggestion,
+                "models": {m.name: m.to_dict() for m in self.models}, "notes": self.notes}
+
+
+def _phase_what(phase: str) -> str:
+    return {"train_policy": "activations", "train_value": "activations", "train": "activations",
+            "rollout": "KV cache + generation weights", "score": "frozen forward"}.get(phase, phase)
+
+
+def _opt(cfg, group: str, key: str):
+    """A key another issue adds (rollout.tp, ppo.inference_tp): its value, or None while it does not exist."""
+    section = getattr(cfg, group, None)
+    return getattr(section, key, None) if section is not None else None
+
+
+def _arch(path: Optional[str], default: ModelConfig) -> ModelConfig:
+    """The architecture saved with a checkpoint (reward/value model), or `default` when unknown."""
+    if path:
+        from megatron_rlhf.config import read_model_config
+
+        try:
+            found = read_model_config(path)
+        except OSError:
+            found = None
+        if found is not None:
+            return dataclasses.replace(found, params_dtype=default.params_dtype,
+                                       make_vocab_size_divisible_by=default.make_vocab_size_divisible_by)
+    return default
+
+
+def check_layouts(cfg, stage: str, world: int) -> None:
+    """Every divisibility the stage needs (LayoutError / ConfigError, one line each)."""
+    from megatron_rlhf.config import check_batch_layout
+    from megatron_rlhf.fields import ConfigError
+
+    m, p = cfg.model, cfg.parallel
+    validate_layout(p, world, num_layers=m.num_layers, num_attention_heads=m.num_attention_heads,
+                    num_query_groups=m.num_query_groups, cuda_available=True, te_available=True)
+    dp = p.dp(world)
+    if stage != "ppo":
+        check_batch_layout(cfg.train, dp)
+        return
+    mbs = cfg.train.micro_batch_size
+    if cfg.ppo.minibatch_size % (dp * mbs):
+        raise ConfigError(f"ppo.minibatch_size={cfg.ppo.minibatch_size} is not divisible by data-parallel size * "
+                          f"train.micro_batch_size = {dp}*{mbs}: change one of them")
+    for key, tp in (("rollout.tp", _opt(cfg, "rollout", "tp")), ("ppo.inference_tp", _opt(cfg, "ppo", "inference_tp"))):
+        if tp is None:
+            continue
+        validate_layout(ParallelConfig(tp=tp), world, num_attention_heads=m.num_attention_heads,
+                        num_query_groups=m.num_query_groups)
+    gen_dp = world // (_opt(cfg, "rollout", "tp") or p.tp)  # generation layout: TP, PP=1 (issue 9)
+    if cfg.ppo.rollout_batch_size % gen_dp:
+        raise ConfigError(f"ppo.rollout_batch_size={cfg.ppo.rollout_batch_size} is not divisible by the generation "
+                          f"data-parallel size {gen_dp}: change it or rollout.tp")
+
+
+def plan_stage(cfg, stage: str, cluster: Cluster, suggest: bool = True) -> Plan:
+    """The plan of `stage` (sft | rm | ppo) for the resolved config `cfg` on `cluster`."""
+    world = cluster.world
+    check_layouts(cfg, stage, world)
+    p, t = cfg.parallel, cfg.train
+    policy_arch = cfg.model.to_model_config()
+    dp = p.dp(world)
+    train_layout = Layout(p.tp, p.pp, p.vpp)
+    fp8 = cfg.fp8.format is not None
+    trained_kw = dict(trained=True, dp=dp, distributed_optimizer=p.use_distributed_optimizer, fp8=fp8)
+    act = lambda micro, seq, nmb: Activations(  # noqa: E731
+        micro_batch=micro, seq_len=seq, num_microbatches=nmb, cp=p.cp, sequence_parallel=p.sequence_parallel,
+        recompute=p.recompute, flash=fp8)
+    notes = []
+    if not fp8:
+        notes.append("activations assume unfused attention (no FP8/Transformer Engine): a conservative estimate")
+    if stage in ("sft", "rm"):
+        head = "lm" if stage == "sft" else "scalar"
+        model = model_memory("policy" if stage == "sft" else "reward", policy_arch, train_layout, head, **trained_kw)
+        micro = t.micro_batch_size * (2 if stage == "rm" else 1)  # RM: chosen and rejected in one batch
+        nmb = t.global_batch_size // (t.micro_batch_size * dp)
+        model.activations = activation_bytes(policy_arch, train_layout, act(micro, cfg.data.max_seq_len, nmb), head)
+        plan = Plan(stage, world, dp, [model], {"train": model.activations}, _usable(cluster), notes=notes)
+    else:
+        plan = _plan_ppo(cfg, cluster, policy_arch, train_layout, trained_kw, act, notes)
+    if suggest and not plan.fits:
+        plan.suggestion = suggest_change(cfg, stage, cluster)
+    return plan
+
+
+def _usable(cluster: Cluster) -> float:
+    return (cluster.gpu_memory_gib - cluster.reserve_gib) * GIB
+
+
+def _plan_ppo(cfg, cluster, policy_arch, train_layout, trained_kw, act, notes) -> Plan:
+    p, t, ppo, world = cfg.parallel, cfg.train, cfg.ppo, cluster.world
+    dp = p.dp(world)
+    seq = (cfg.data.max_prompt_len or cfg.data.max_seq_len) + ppo.max_new_tokens
+    value_arch = _arch(ppo.value_load or ppo.reward_load, policy_arch)
+    reward_arch = _arch(ppo.reward_load, policy_arch)
+    inf_tp = _opt(cfg, "ppo", "inference_tp")
+    inf_layout = train_layout if inf_tp is None else Layout(inf_tp, 1)
+    frozen_kw = dict(trained=False, dp=dp, distributed_optimizer=False, fp8=False)
+    policy = model_memory("policy", policy_arch, train_layout, "lm", **trained_kw)
+    value = model_memory("value", value_arch, train_layout, "scalar", **trained_kw)
+    reference = model_memory("reference", policy_arch, inf_layout, "lm", **frozen_kw)
+    reward = model_memory("reward", reward_arch, inf_layout, "scalar", **frozen_kw)
+    nmb = ppo.minibatch_size // (dp * t.micro_batch_size)
+    policy.activations = activation_bytes(policy_arch, train_layout, act(t.micro_batch_size, seq, nmb), "lm")
+    value.activations = activation_bytes(value_arch, train_layout, act(t.micro_batch_size, seq, nmb), "scalar")
+    reference.activations = inference_bytes(policy_arch, inf_layout, t.micro_batch_size, seq, "lm")
+    reward.activations = inference_bytes(reward_arch, inf_layout, t.micro_batch_size, seq, "scalar")
+    gen_tp = _opt(cfg, "rollout", "tp") or p.tp
+    gen_layout = Layout(gen_tp, 1)
+    gen_dp = world // gen_tp
+    policy.kv_cache = kv_cache_bytes(policy_arch, gen_tp, ppo.rollout_batch_size // gen_dp, seq)
+    if gen_layout != Layout(p.tp, p.pp, p.vpp):
+        policy.generation_weights = params_per_gpu(policy_arch, gen_layout) * dtype_bytes(policy_arch.params_dtype)
+    offload = ppo.offload_frozen
+    for m in (reference, reward):
+        m.resident = not offload
+    frozen_weights = max(reference.weights, reward.weights) if offload else 0.0
+    phases = {
+        "train_policy": policy.activations,
+        "train_value": value.activations,
+        "rollout": policy.kv_cache + policy.generation_weights,
+        "score": frozen_weights + max(reference.activations, reward.activations),
+    }
+    if gen_layout != Layout(p.tp, p.pp, p.vpp) and _opt(cfg, "rollout", "tp") is None:
+        notes.append(f"training layout {train_layout} needs the hybrid engine's generation layout (rollout.tp)")
+    return Plan("ppo", world, dp, [policy, value, reference, reward], phases, _usable(cluster), notes=notes)
+
+
+# Single changes tried in this order, cheapest first; the first whose plan fits is suggested.
+def _candidates(cfg, stage: str, cluster: Cluster):
+    p, t = cfg.parallel, cfg.train
+    if not p.use_distributed_optimizer and p.dp(cluster.world) > 1:
+        yield "parallel.use_distributed_optimizer=true", {"parallel.use_distributed_optimizer": True}, None
+    if p.recompute is None:
+        yield "parallel.recompute=selective", {"parallel.recompute": "selective"}, None
+    if p.recompute != "full":
+        yield "parallel.recompute=full", {"parallel.recompute": "full"}, None
+    if t.micro_batch_size > 1:
+        yield f"train.micro_batch_size={t.micro_batch_size // 2}", {"train.micro_batch_size": t.micro_batch_size // 2}, None
+    if stage == "ppo" and not cfg.ppo.offload_frozen:
+        yield "ppo.offload_frozen=true", {"ppo.offload_frozen": True}, None
+    if p.tp * 2 <= cluster.gpus_per_node:
+        yield f"parallel.tp={p.tp * 2}", {"parallel.tp": p.tp * 2, "parallel.sequence_parallel": True}, None
+    yield f"parallel.pp={p.pp * 2}", {"parallel.pp": p.pp * 2}, None
+    yield f"--nodes {cluster.nodes * 2}", {}, dataclasses.replace(cluster, nodes=cluster.nodes * 2)
+
+
+def _with(cfg, changes: dict):
+    new = copy.deepcopy(cfg)
+    for dotted, value in changes.items():
+        group, key = dotted.split(".")
+        setattr(getattr(new, group), key, value)
+    return new
+
+
+def suggest_change(cfg, stage: str, cluster: Cluster) -> str:
+    """The first single change (cheapest first) under which the plan fits, as an override to type."""
+    from megatron_rlhf.fields import ConfigError
+
+    for text, changes, new_cluster in _candidates(cfg, stage, cluster):
+        try:
+            if plan_stage(_with(cfg, changes), stage, new_cluster or cluster, suggest=False).fits:
+                return text
+        except (LayoutError, ConfigError):
+            continue  # that change breaks a divisibility: not a suggestion
+    return "no single change fits: combine more TP/PP, recompute, ppo.offload_frozen and more nodes"

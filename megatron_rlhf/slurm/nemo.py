@@ -1,0 +1,96 @@
+"""The nemo-run form of a stage's job: `SlurmExecutor` + a `Script`, dry run or submitted.
+
+nemo-run (pip install -e ".[slurm]") is imported here only. Its sbatch template starts one `srun`
+per node (ntasks_per_node=1, no nemo-run launcher: its torchrun launcher would not forward SIGUSR1)
+running slurm/node.sh, which owns the signal forwarding and the requeue after a checkpoint.
+"""
+
+from __future__ import annotations
+
+import glob
+import os
+import shlex
+import shutil
+from typing import Sequence
+
+from megatron_rlhf.slurm.cluster import SlurmCluster
+from megatron_rlhf.slurm.sbatch import job_env
+
+
+def _nemo_run():
+    try:
+        import nemo_run
+    except ImportError as e:
+        from megatron_rlhf.fields import ConfigError
+
+        raise ConfigError(f"--backend nemo-run needs nemo-run ({e}): pip install -e '.[slurm]', "
+                          "or use --backend plain") from None
+    return nemo_run
+
+
+def build_executor(cluster: SlurmCluster, stage: str):
+    """A nemo-run `SlurmExecutor` for `cluster`: one task per node, GPUs, signal, requeue, container."""
+    run = _nemo_run()
+    if cluster.tunnel == "ssh":
+        tunnel = run.SSHTunnel(host=cluster.ssh_host, user=cluster.ssh_user, job_dir=cluster.remote_job_dir)
+    else:
+        tunnel = run.LocalTunnel(job_dir=os.path.abspath(cluster.log_dir))
+    mounts = list(cluster.container_mounts)
+    workdir = cluster.workdir or os.getcwd()
+    if cluster.container_image and not any(m.split(":")[0] == workdir for m in mounts):
+        mounts.append(f"{workdir}:{workdir}")  # node.sh runs from the checkout, inside the container too
+    return run.SlurmExecutor(
+        account=cluster.account or "",
+        partition=cluster.partition,
+        job_name_prefix=f"{cluster.job_name}-",
+        nodes=cluster.nodes,
+        ntasks_per_node=1,
+        gpus_per_node=cluster.gpus_per_node,
+        cpus_per_task=cluster.cpus_per_task,
+        time=cluster.time,
+        exclusive=True,
+        signal=f"USR1@{cluster.signal_seconds}",
+        additional_parameters={"requeue": True} if cluster.requeue else {"no_requeue": True},
+        container_image=cluster.container_image,
+        container_mounts=mounts,
+        # Without a container nemo-run runs each task in its packaged code directory; ours is the checkout.
+        srun_args=None if cluster.container_image else [f"--chdir={workdir}"],
+        env_vars={k: str(v) for k, v in job_env(stage, cluster).items()},
+        tunnel=tunnel,
+        packager=run.Packager(),  # the code is already on the cluster (workdir): nothing to ship
+    )
+
+
+def node_script(stage: str, config: str, overrides: Sequence[str], cluster: SlurmCluster):
+    """What each node's task runs: slurm/node.sh of the checkout on the cluster (`workdir`)."""
+    run = _nemo_run()
+    workdir = cluster.workdir or os.getcwd()
+    # nemo-run joins the arguments with spaces into the srun line: quote each for the shell.
+    args = [shlex.quote(a) for a in (stage, config, *overrides)]
+    return run.Script(path=os.path.join(workdir, "slurm", "node.sh"), args=args, entrypoint="bash")
+
+
+def render(stage: str, config: str, overrides: Sequence[str], cluster: SlurmCluster, home: str) -> str:
+    """nemo-run's dry run of the job: the complete sbatch script it would submit (nothing is submitted).
+    `home` is nemo-run's working directory (NEMORUN_HOME) for the experiment files."""
+    run = _nemo_run()
+    from nemo_run.config import set_nemorun_home
+
+    set_nemorun_home(home)
+    executor = build_executor(cluster, stage)
+    script = node_script(stage, config, overrides, cluster)
+    with run.Experiment(f"{cluster.job_name}-{stage}", executor=executor, log_level="ERROR") as exp:
+        exp.add(script, name=stage, tail_logs=False)
+        exp.dryrun(log=False, delete_exp_dir=False)
+        found = glob.glob(os.path.join(exp._exp_dir, "**", "*_sbatch.sh"), recursive=True)
+        text = open(found[0]).read()
+        shutil.rmtree(exp._exp_dir, ignore_errors=True)
+    return text
+
+
+def submit(stage: str, config: str, overrides: Sequence[str], cluster: SlurmCluster) -> None:
+    """Submit through nemo-run (sbatch locally or over the SSH tunnel); returns once submitted."""
+    run = _nemo_run()
+    executor = build_executor(cluster, stage)
+    script = node_script(stage, config, overrides, cluster)
+    run.run(script, executor=executor, name=f"{cluster.job_name}-{stage}", detach=True, tail_logs=False)

@@ -1,0 +1,108 @@
+"""Frozen reference and reward models in the inference layout (`ppo.inference_tp`: TP = inference_tp,
+PP = 1, DP = world / inference_tp), apart from the training layout.
+
+The models are built with their own process groups (rollout/hybrid.py's `tp_only_layout`) and filled
+from their distributed checkpoints, resharded at load (`build_inference_model` says how).
+Scoring moves rows as generation does (rollout/redistribute.py): the rollouts of all training DP
+shares are gathered in training DP order, split over inference DP ranks, run forward (no pipeline
+schedule: PP = 1), and each rank takes back the results for its own share. So `score_and_recompute`
+sees the same [b, T] log-probs and [b] scores as from a training-layout model.
+"""
+
+from __future__ import annotations
+
+from typing import Dict, List
+
+import torch
+
+from megatron_rlhf.models.logprobs import token_logprobs
+from megatron_rlhf.rollout import redistribute as R
+from megatron_rlhf.rollout.hybrid import Layout, build_in_layout, run_in_layout
+
+ROW_KEYS = ("input_ids", "prompt_lengths", "response_ids", "response_mask")
+
+
+class InferenceModel:
+    """A frozen model in a tp-only layout. `collect_rows(microbatches)` is what `experience.py` asks of it:
+    lm head -> log-probs [b, T] of the response tokens; scalar head -> score [b] at the last real token."""
+
+    def __init__(self, model: torch.nn.Module, layout: Layout, head: str, vocab_size: int, temperature: float):
+        self.model, self.layout, self.head = model.eval(), layout, head
+        self.vocab_size, self.temperature = vocab_size, temperature
+
+    def __iter__(self):  # a list of one chunk to the helpers that move frozen models (ppo_models.resident)
+        return iter([self.model])
+
+    def collect_rows(self, microbatches: List[Dict[str, torch.Tensor]]) -> torch.Tensor:
+        """This rank's training-share micro-batches (Experience.microbatches) -> results for their rows."""
+        size = microbatches[0]["input_ids"].shape[0]
+
+        def forward(part: Dict[str, torch.Tensor]) -> Dict[str, torch.Tensor]:
+            n = part["input_ids"].shape[0]
+            with torch.no_grad():
+                return {"out": torch.cat([self._forward(R.take(part, torch.arange(s, min(s + size, n))))
+                                          for s in range(0, n, size)])}
+
+        out = run_in_layout(self.layout, _rows(microbatches), _concat_rows, forward)["out"]
+        return out.to(microbatches[0]["input_ids"].device)
+
+    def _forward(self, mb: Dict[str, torch.Tensor]) -> torch.Tensor:
+        from megatron_rlhf.trainer.step import position_ids_for
+
+        device = next(self.model.parameters()).device
+        ids = mb["input_ids"].to(device)
+        output = self.model(ids, position_ids_for(ids), None)  # [b, S, V/tp] logits or [b, S, 1] scores
+        T = mb["response_ids"].shape[1]
+        lengths = mb["prompt_lengths"].to(device)
+        if self.head == "scalar":
+            last = (lengths + mb["response_mask"].to(device).sum(-1).long() - 1).clamp(min=0)
+            return output.squeeze(-1).gather(1, last.unsqueeze(1)).squeeze(1).float().cpu()
+        index = ((lengths - 1).unsqueeze(1) + torch.arange(T, device=device)).clamp(max=ids.shape[1] - 1)
+        z = output.gather(1, index.unsqueeze(-1).expand(-1, -1, output.shape[-1]))
+        group = self.layout.pg_collection.tp if self.layout.tp > 1 else None
+        return token_logprobs(z, mb["response_ids"].to(device), group, self.vocab_size, self.temperature).float().cpu()
+
+
+def _rows(microbatches: List[Dict[str, torch.Tensor]]) -> Dict[str, torch.Tensor]:
+    return _concat_rows([{k: mb[k] for k in ROW_KEYS} for mb in microbatches])
+
+
+def _concat_rows(parts: List[Dict[str, torch.Tensor]]) -> Dict[str, torch.Tensor]:
+    """Row dicts -> one, input_ids RIGHT-padded (sequences start at position 0) to the widest."""
+    width = max(p["input_ids"].shape[1] for p in parts)
+    out = {k: torch.cat([p[k].cpu() for p in parts]) for k in ROW_KEYS if k != "input_ids"}
+    out["input_ids"] = torch.cat([torch.nn.functional.pad(p["input_ids"].cpu(), (0, width - p["input_ids"].shape[1]))
+                                  for p in parts])
+    return out
+
+
+def build_inference_model(cfg, model_cfg, layout: Layout, head: str, load: str, source_name: str,
+                          temperature: float) -> InferenceModel:
+    """A frozen model in `layout` with the weights of checkpoint `load` (collective).
+
+    The checkpoint is read in the training layout and resharded into `layout` by the weight swap of
+    rollout/hybrid.py, then the training-layout copy is dropped. (A direct dist_checkpointing load into
+    a model of another layout fails in megatron-core 0.16.1: the sharded state dict takes its replica
+    ids from parallel_state, i.e. from the training layout, and the load's access check refuses them.)"""
+    from megatron_rlhf.checkpoint import state as ckpt
+    from megatron_rlhf.models.build import build_model
+    from megatron_rlhf.rollout.hybrid import WeightSwap
+
+    loaded = build_model(model_cfg, cfg.parallel, head=head)
+    ckpt.load_model_weights(load, loaded, source_name, head)
+    model = build_in_layout(model_cfg, cfg.parallel.tp, layout, head=head)
+    WeightSwap(loaded, model)()
+    del loaded
+    for p in model.parameters():
+        p.requires_grad_(False)
+    return InferenceModel(model, layout, head, model_cfg.vocab_size, temperature)
+
+
+def build_frozen_pair(cfg, model_cfg) -> tuple:
+    """(reference, reward) for `ppo.inference_tp`: one layout, both models loaded into it (collective)."""
+    from megatron_rlhf.rollout.hybrid import tp_only_layout
+
+    layout = tp_only_layout(cfg.ppo.inference_tp)
+    t = cfg.ppo.temperature
+    return (build_inference_model(cfg, model_cfg, layout, "lm", cfg.model.load, "policy", t),
+            build_inference_model(cfg, model_cfg, layout, "scalar", cfg.ppo.reward_load, "reward", t))

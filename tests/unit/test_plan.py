@@ -1,0 +1,128 @@
+"""`megatron-rlhf plan`: bytes per GPU against hand computation (ppo-spec.md's 7B rule of thumb, both
+Llama-3 recipes), bad layouts, the verdict with its suggestion, --json, and launch.py's refusal."""
+
+import json
+import os
+
+import pytest
+
+from megatron_rlhf import cli
+from megatron_rlhf.fields import ConfigError
+from megatron_rlhf.parallel.layout import LayoutError
+from megatron_rlhf.plan.cli import load_for_plan
+from megatron_rlhf.plan.memory import state_bytes_per_param
+from megatron_rlhf.plan.planner import GIB, Cluster, plan_stage
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+EX = os.path.join(ROOT, "examples")
+R8, R70 = os.path.join(EX, "llama3_8b_ppo.yaml"), os.path.join(EX, "llama3_70b_ppo.yaml")
+C8, C70 = os.path.join(EX, "llama3_8b_slurm.yaml"), os.path.join(EX, "llama3_70b_slurm.yaml")
+LLAMA2_7B = ["model.num_layers=32", "model.hidden_size=4096", "model.ffn_hidden_size=11008",
+             "model.num_attention_heads=32", "model.num_query_groups=32", "model.vocab_size=32000",
+             "model.params_dtype=bfloat16", "ppo.rollout_batch_size=8", "ppo.minibatch_size=8",
+             "train.micro_batch_size=1", "data.max_seq_len=512", "ppo.max_new_tokens=512"]
+
+
+def test_rule_of_thumb_7b_times_4_models_is_252_gb():
+    trained = sum(state_bytes_per_param("bfloat16", True, grad_fp32=False))
+    frozen = sum(state_bytes_per_param("bfloat16", False))
+    assert (trained, frozen) == (16, 2)
+    assert 7e9 * (2 * trained + 2 * frozen) == 252e9
+    # This code reduces gradients in an fp32 buffer (trainer/optim.py): 18 bytes per trained parameter.
+    assert sum(state_bytes_per_param("bfloat16", True)) == 18
+    # The distributed optimizer shards the 12 bytes of fp32 master weights + Adam moments over DP.
+    assert state_bytes_per_param("bfloat16", True, dp=4, distributed_optimizer=True) == (2, 4, 3)
+
+
+def test_planner_7b_example_by_hand():
+    """Llama-2-7B, four models on one GPU, no sharding: state = P*18*2 + P*2*2 (value/RM: scalar head)."""
+    cfg = load_for_plan("ppo", None, LLAMA2_7B)
+    plan = plan_stage(cfg, "ppo", Cluster(nodes=1, gpus_per_node=1, gpu_memory_gib=1000))
+    p_lm = 2 * 32000 * 4096 + 32 * (2 * 4096 + 4 * 4096 * 4096 + 3 * 4096 * 11008) + 4096
+    p_scalar = p_lm - 32000 * 4096 + 4096
+    models = {m.name: m for m in plan.models}
+    assert [models[n].params_per_gpu for n in ("policy", "value", "reference", "reward")] == [p_lm, p_scalar] * 2
+    assert (models["policy"].weights, models["policy"].gradients, models["policy"].optimizer) == (2 * p_lm, 4 * p_lm, 12 * p_lm)
+    assert models["reference"].state == 2 * p_lm and models["reference"].gradients == 0
+    assert plan.state == 18 * (p_lm + p_scalar) + 2 * (p_lm + p_scalar)
+    assert 250e9 < plan.state < 252e9 * 18 / 16  # between the rule (16 B) and 18 B per trained parameter
+    # KV cache of 8 prompts x 1024 tokens: 2 (K, V) x 32 layers x 32 heads x 128 x 2 bytes per token.
+    assert models["policy"].kv_cache == 2 * 32 * 32 * 128 * 2 * 8 * 1024
+    assert plan.fits and plan.total == plan.state + max(plan.phases.values())
+
+
+def _plan(recipe, cluster, *overrides):
+    from megatron_rlhf.plan.cli import cluster_from_yaml
+
+    cfg = load_for_plan("ppo", recipe, list(overrides))
+    return plan_stage(cfg, "ppo", cluster_from_yaml(cluster))
+
+
+def test_llama3_8b_recipe_by_hand():
+    """TP=4, PP=1 on 8 GPUs: per GPU 1/4 of every sharded tensor; DP=2 shards the optimizer; FP8 caches 2 B/param."""
+    plan = _plan(R8, C8)
+    h, f, kv, v, tp = 4096, 14336, 8 * 128, 128512, 4  # vocab 128256 padded to a multiple of 128 * 4
+    layer = 2 * h + h * (h + 2 * kv) // tp + h * h // tp + 3 * h * f // tp
+    policy = v * h // tp + 32 * layer + h + v * h // tp
+    m = {x.name: x for x in plan.models}
+    assert m["policy"].params_per_gpu == policy
+    assert m["policy"].weights == policy * (2 + 2) and m["policy"].gradients == policy * 4
+    assert m["policy"].optimizer == policy * 12 / 2
+    assert m["reference"].weights == policy * 2
+    assert plan.world == 8 and plan.dp == 2 and plan.fits
+    assert plan.total < 76 * GIB
+
+
+def test_llama3_70b_recipe_by_hand():
+    """TP=8 x PP=4 x VPP=5 on 128 GPUs: the first rank holds 5 chunks of 4 layers + the embedding."""
+    plan = _plan(R70, C70)
+    h, f, kv, v, tp = 8192, 28672, 8 * 128, 129024, 8  # vocab 128256 padded to a multiple of 128 * 8
+    layer = 2 * h + h * (h + 2 * kv) // tp + h * h // tp + 3 * h * f // tp
+    first = v * h // tp + 20 * layer
+    last = 20 * layer + h + v * h // tp
+    m = {x.name: x for x in plan.models}
+    assert m["policy"].params_per_gpu == max(first, last)
+    assert m["policy"].optimizer == max(first, last) * 12 / 4
+    assert not m["reference"].resident and not m["reward"].resident  # ppo.offload_frozen
+    assert plan.world == 128 and plan.dp == 4 and plan.fits
+    # The hybrid engine's layouts (issue 9) change the plan when their keys exist: TP=8 PP=1 for generation.
+    assert any("rollout.tp" in n for n in plan.notes)
+
+
+@pytest.mark.parametrize("overrides, error, fragment", [
+    (["parallel.pp=3"], LayoutError, "world size 128 is not divisible by tp*pp*cp = 8*3*1 = 24"),
+    (["parallel.tp=16", "parallel.pp=2"], LayoutError, "model.num_query_groups (key/value heads)=8 is not divisible by parallel.tp=16"),
+    (["parallel.vpp=3"], LayoutError, "model.num_layers=80 is not divisible by pp*vpp = 4*3 = 12"),
+    (["parallel.recompute=some"], LayoutError, "parallel.recompute='some' is not one of"),
+    (["ppo.minibatch_size=66"], ConfigError, "ppo.minibatch_size=66 is not divisible by data-parallel size * train.micro_batch_size = 4*1"),
+    (["ppo.rollout_batch_size=520"], ConfigError, "ppo.rollout_batch_size=520 is not divisible by the generation data-parallel size 16"),
+])
+def test_bad_layouts_give_one_line(overrides, error, fragment):
+    with pytest.raises(error) as e:
+        _plan(R70, C70, *overrides)
+    assert fragment in str(e.value) and "\n" not in str(e.value)
+
+
+def test_cli_verdict_suggestion_and_json(capsys):
+    assert cli.main(["plan", R8, "--cluster", C8]) == 0
+    out = capsys.readouterr().out
+    assert "fits: peak" in out and "largest term" in out
+    # TP=2 does not fit one node; the planner names the smallest change that does.
+    assert cli.main(["plan", R8, "--cluster", C8, "parallel.tp=2"]) == 1
+    out = capsys.readouterr().out
+    assert "does not fit: peak" in out and "smallest change that fits: parallel.tp=4" in out
+    assert cli.main(["plan", R70, "--cluster", C70, "--json", "--nodes", "8"]) in (0, 1)
+    doc = json.loads(capsys.readouterr().out)
+    assert doc["world"] == 64 and set(doc["models"]) == {"policy", "value", "reference", "reward"}
+    assert isinstance(doc["fits"], bool) and doc["total_bytes_per_gpu"] > doc["state_bytes_per_gpu"] > 0
+    assert cli.main(["plan", R70, "--cluster", C70, "parallel.tp=3"]) == 2
+    assert capsys.readouterr().err.startswith("error: world size 128 is not divisible")
+
+
+def test_submit_refuses_what_does_not_fit_unless_forced(capsys, tmp_path):
+    argv = ["submit", "ppo", R8, "--cluster", C8, "--dryrun", "parallel.tp=2"]
+    assert cli.main(argv) == 2
+    err = capsys.readouterr().err
+    assert "error: the planner says ppo does not fit" in err and "try parallel.tp=4, or pass --force" in err
+    assert cli.main(argv + ["--force", "--out", str(tmp_path / "job.sh")]) == 0
+    assert "#SBATCH --nodes=1" in (tmp_path / "job.sh").read_text()
