@@ -5,8 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Optional
 
+from megatron_rlhf.fields import ConfigError, require
 from megatron_rlhf.fields import help_field as _f
-from megatron_rlhf.fields import require
 from megatron_rlhf.trainer.doctor import DoctorConfig
 
 
@@ -26,7 +26,15 @@ class PPOSection:
     max_new_tokens: int = _f(64, "generation length limit")
     temperature: float = _f(1.0, "sampling temperature (logprobs are taken at the same temperature)")
     beta: float = _f(0.05, "KL penalty coefficient (initial value when adaptive)")
-    kl_estimator: str = _f("k1", "per-token KL estimator in the reward", choices=("k1", "k2", "k3"))
+    kl_estimator: str = _f("k1", "per-token KL estimator (k3 with kl_in=loss, as GRPO)", choices=("k1", "k2", "k3"))
+    kl_in: str = _f("reward", "where the KL to the reference goes: shaped into the reward (PPO) or a "
+                    "beta x KL term in the policy loss (GRPO)", choices=("reward", "loss"))
+    advantage_estimator: str = _f("gae", "gae (value model) or a critic-free baseline: grpo/rloo (group of "
+                                  "ppo.samples_per_prompt), remax (greedy response); docs/methods.md",
+                                  choices=("gae", "grpo", "rloo", "remax"))
+    samples_per_prompt: int = _f(1, "responses sampled per prompt (grpo/rloo: the group size, >= 2)")
+    ptx_coef: float = _f(0.0, "PPO-ptx: each policy update adds ptx_coef x the LM loss on a batch of ppo.ptx_data")
+    ptx_data: Optional[str] = _f(None, "PPO-ptx text: SFT-format rows (prompt, response); ppo.minibatch_size per update")
     adaptive_kl_target: Optional[float] = _f(None, "target KL per sequence (nats); null = fixed beta")
     adaptive_kl_gain: float = _f(0.1, "adaptive KL proportional gain")
     gamma: float = _f(1.0, "discount")
@@ -63,8 +71,7 @@ def validate_ppo(cfg) -> None:
                  "max_consecutive_skips"):
         v = getattr(p, name)
         require(v >= 1, f"ppo.{name}={v} must be >= 1")
-    require(p.rollout_batch_size % p.minibatch_size == 0,
-            f"ppo.rollout_batch_size={p.rollout_batch_size} must be a multiple of ppo.minibatch_size={p.minibatch_size}")
+    validate_siblings(cfg)
     require(p.temperature > 0, f"ppo.temperature={p.temperature} must be > 0")
     require(p.beta >= 0, f"ppo.beta={p.beta} must be >= 0")
     require(p.adaptive_kl_target is None or p.adaptive_kl_target > 0,
@@ -86,12 +93,53 @@ def validate_ppo(cfg) -> None:
             f"ppo.gold_scorer={p.gold_scorer!r} must be 'module:function'")
 
 
+def critic_free(p) -> bool:
+    """True for the estimators without a value model (grpo, rloo, remax)."""
+    return p.advantage_estimator != "gae"
+
+
+def rollouts_per_iteration(p) -> int:
+    """Responses trained on per iteration: rollout_batch_size prompts x samples_per_prompt."""
+    return p.rollout_batch_size * p.samples_per_prompt
+
+
+def validate_siblings(cfg) -> None:
+    """The critic-free estimators, where the KL goes, PPO-ptx, and the batch they imply."""
+    p, k = cfg.ppo, cfg.ppo.samples_per_prompt
+    require(k >= 1, f"ppo.samples_per_prompt={k} must be >= 1")
+    if p.advantage_estimator in ("grpo", "rloo"):
+        require(k >= 2, f"ppo.advantage_estimator={p.advantage_estimator} needs ppo.samples_per_prompt >= 2 "
+                f"(got {k}): a group baseline needs at least two responses per prompt")
+    elif k != 1:
+        raise ConfigError(f"ppo.samples_per_prompt={k} is only for grpo/rloo (ppo.advantage_estimator="
+                          f"{p.advantage_estimator}): set it to 1")
+    if critic_free(p):
+        require(p.value_warmup_iterations == 0, f"ppo.value_warmup_iterations={p.value_warmup_iterations} needs a value "
+                f"model, which ppo.advantage_estimator={p.advantage_estimator} does not build: set it to 0")
+    require(rollouts_per_iteration(p) % p.minibatch_size == 0,
+            f"ppo.rollout_batch_size x ppo.samples_per_prompt = {p.rollout_batch_size}x{k} rollouts must be a multiple "
+            f"of ppo.minibatch_size={p.minibatch_size}: change one of them")
+    require(not (p.kl_in == "loss" and p.kl_estimator == "k1"),
+            "ppo.kl_in=loss with ppo.kl_estimator=k1: k1's gradient is zero in expectation; set ppo.kl_estimator=k3 "
+            "(as GRPO) or k2")
+    require(p.ptx_coef >= 0, f"ppo.ptx_coef={p.ptx_coef} must be >= 0")
+    require(p.ptx_coef == 0 or cfg.parallel.pp == 1, f"ppo.ptx_coef={p.ptx_coef} with parallel.pp={cfg.parallel.pp}: "
+            "PPO-ptx micro-batches are not padded to the pipeline's fixed width yet; use parallel.pp=1 or ppo.ptx_coef=0")
+    require(p.ptx_coef == 0 or p.ptx_data is not None,
+            f"ppo.ptx_coef={p.ptx_coef} needs ppo.ptx_data (SFT-format rows: prompt, response)")
+    from megatron_rlhf.config import _paths_exist  # config imports this module: import at call time
+
+    require(p.ptx_data is None or _paths_exist(p.ptx_data), f"ppo.ptx_data: '{p.ptx_data}' not found")
+
+
 def check_ppo_layout(cfg, dp_size: int) -> None:
     """The rollout and minibatch split over data-parallel ranks and micro-batches, and the generation
     layout (`rollout` group) against the world size (one clear error)."""
-    from megatron_rlhf.fields import ConfigError
-
     p, mbs = cfg.ppo, cfg.train.micro_batch_size
+    if p.rollout_batch_size % dp_size:
+        raise ConfigError(
+            f"ppo.rollout_batch_size={p.rollout_batch_size} prompts do not split over {dp_size} data-parallel ranks "
+            "(each rank samples whole groups of its own prompts): make it a multiple of the data-parallel size")
     if p.minibatch_size % (dp_size * mbs):
         raise ConfigError(
             f"ppo.minibatch_size={p.minibatch_size} is not divisible by data-parallel size * train.micro_batch_size "

@@ -76,3 +76,12 @@ def group_advantages(scores: torch.Tensor, group_size: int, kind: str = "grpo", 
     else:
         raise ValueError(f"group_advantages: unknown kind {kind!r}: use 'grpo' or 'rloo'")
     return out.reshape(-1)
+
+
+def group_reward_stats(scores: torch.Tensor, group_size: int, tol: float = 1e-6) -> Tuple[torch.Tensor, torch.Tensor]:
+    """(flat [G] float: 1.0 where a group's scores are all equal within `tol`, std [G]: the unbiased
+    within-group std); scores [N] = consecutive groups of `group_size`. A flat group has zero advantage
+    under a group baseline: it carries no learning signal."""
+    groups = scores.view(-1, group_size)
+    flat = (groups.max(1).values - groups.min(1).values <= tol).to(scores.dtype)
+    return flat, groups.std(1)

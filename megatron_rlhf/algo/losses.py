@@ -12,6 +12,7 @@ from typing import Dict, Tuple
 import torch
 import torch.nn.functional as F
 
+from megatron_rlhf.algo.kl import kl_estimate
 from megatron_rlhf.algo.masked import zero_padding
 
 Stats = Dict[str, torch.Tensor]
@@ -75,6 +76,20 @@ def value_loss(
             "tokens": mask.sum(),
         }
     return loss_sum, stats
+
+
+def kl_penalty(
+    logprobs: torch.Tensor, ref_logprobs: torch.Tensor, mask: torch.Tensor, estimator: str = "k3"
+) -> Tuple[torch.Tensor, Stats]:
+    """GRPO's KL term for the policy loss: sum_t KL_t (estimator k1/k2/k3 of logp - logp_ref), to be scaled by beta.
+
+    logprobs [B, T] (current policy, carries gradient), ref_logprobs [B, T] (frozen reference), mask [B, T].
+    k3 = exp(-r) - 1 + r (r = logp - logp_ref) has gradient (1 - exp(-r)) dlogp: zero where the policy
+    equals the reference, pulling it back otherwise. stats (sums): kl_loss_term, tokens.
+    """
+    logprobs, ref_logprobs = zero_padding(logprobs, mask), zero_padding(ref_logprobs, mask)
+    total = (kl_estimate(logprobs, ref_logprobs, estimator) * mask).sum()
+    return total, {"kl_loss_term": total.detach(), "tokens": mask.sum()}
 
 
 def entropy_bonus(entropy: torch.Tensor, mask: torch.Tensor) -> Tuple[torch.Tensor, Stats]:

@@ -124,9 +124,10 @@ class HostOffload:
 def offloaded(trainables: Iterable, device_type: Optional[str] = "auto") -> Iterator[HostOffload]:
     """Gradient buffers and optimizer state of `trainables` in host memory inside the block.
 
-    device_type: "auto" -> "cuda" with CUDA, else None (a no-op); "cpu" exercises the moves on CPU (tests)."""
+    device_type: "auto" -> "cuda" with CUDA, else None (a no-op); "cpu" exercises the moves on CPU (tests).
+    None entries are skipped (a critic-free run has no value model)."""
     kind = _device_type() if device_type == "auto" else device_type
-    tensors = [t for tr in trainables for t in training_state_tensors(tr)]
+    tensors = [t for tr in trainables if tr is not None for t in training_state_tensors(tr)]
     moves = HostOffload(tensors, kind)
     moves.offload()
     try:

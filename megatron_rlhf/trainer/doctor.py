@@ -13,6 +13,7 @@
 Watched keys (any may be absent; non-numeric values are ignored, so a missing key never raises):
 ppo/kl_per_seq, ppo/clip_fraction, ppo/approx_kl, ppo/value_explained_variance, ppo/entropy,
 ppo/truncation_rate, ppo/response_length (quoted in truncation messages), ppo/rho_mean,
+ppo/group_flat_fraction (critic-free estimators),
 eval/gold_score with eval/rm_score (an eval counts only when both are logged together).
 
 Warning policy: `counts()` counts every iteration a condition holds; a warning's message is emitted
@@ -30,12 +31,13 @@ from typing import Any, Dict, List, Mapping, NamedTuple, Optional
 
 NAMES = (
     "kl_blowup", "clip_fraction", "approx_kl", "negative_kl", "value_lag",
-    "entropy_collapse", "truncation_rising", "rho_off", "reward_hacking",
+    "entropy_collapse", "truncation_rising", "rho_off", "reward_hacking", "no_signal",
 )  # fmt: skip
 KL, CLIP, APPROX_KL, EV = "ppo/kl_per_seq", "ppo/clip_fraction", "ppo/approx_kl", "ppo/value_explained_variance"
 ENTROPY, TRUNC, LENGTH, RHO = "ppo/entropy", "ppo/truncation_rate", "ppo/response_length", "ppo/rho_mean"
 GOLD, RM = "eval/gold_score", "eval/rm_score"
-_SERIES = (KL, CLIP, APPROX_KL, EV, ENTROPY, TRUNC, LENGTH, RHO)
+FLAT = "ppo/group_flat_fraction"  # grpo/rloo/remax: groups whose scores are all equal (zero advantage)
+_SERIES = (KL, CLIP, APPROX_KL, EV, ENTROPY, TRUNC, LENGTH, RHO, FLAT)
 ADVICE = {  # what to do, appended to the numbers of each warning
     "kl_blowup": "lower the lr, raise ppo.beta (or set ppo.adaptive_kl_target), or use fewer ppo.epochs",
     "clip_fraction": "policy updates are too large; lower the lr or use fewer ppo.epochs",
@@ -50,6 +52,8 @@ ADVICE = {  # what to do, appended to the numbers of each warning
     "rho_off": "the sampler and the trainer disagree on logprobs (temperature, top-p/top-k, tokenizer path, "
     "numerics); fix that before trusting the run",
     "reward_hacking": "the policy exploits the reward model; raise ppo.beta, lower the lr, or improve the RM",
+    "no_signal": "most groups score all alike, so their advantages are zero; raise ppo.samples_per_prompt or "
+    "ppo.temperature, use harder prompts, or a reward that separates responses",
 }
 
 
@@ -77,6 +81,8 @@ class DoctorConfig:
     rho_tol: float = 0.05  # rho_off: |mean sampler/trainer ratio - 1| above this
     eval_window: int = 3  # reward_hacking: over the last this many evals, gold fell and RM rose...
     eval_tol: float = 0.01  # ...each by more than this (score units)
+    no_signal_fraction: float = 0.5  # no_signal: mean fraction of all-equal groups above this...
+    no_signal_window: int = 3  # ...over this many observations
 
     def __post_init__(self):
         for f in fields(self):
@@ -113,7 +119,8 @@ class Doctor:
 
     def __init__(self, config: Optional[DoctorConfig] = None):
         self.config = c = config or DoctorConfig()
-        self._keep = max(c.kl_window + 1, c.negative_kl_window, c.ev_window, c.entropy_window, 2 * c.truncation_window)
+        self._keep = max(c.kl_window + 1, c.negative_kl_window, c.ev_window, c.entropy_window, 2 * c.truncation_window,
+                         c.no_signal_window)
         self._early: Dict[str, List[float]] = {k: [] for k in _SERIES}  # first `early` observations
         self._recent: Dict[str, List[float]] = {k: [] for k in _SERIES}  # last `_keep` observations
         self._seen: Dict[str, int] = {k: 0 for k in _SERIES}
@@ -227,6 +234,12 @@ class Doctor:
                 )
         if RHO in v and math.isfinite(v[RHO]) and abs(v[RHO] - 1.0) > c.rho_tol:
             found["rho_off"] = f"{RHO} is {v[RHO]:.4g}, off 1 by more than {c.rho_tol:g}"
+        window = self._recent[FLAT][-c.no_signal_window :]
+        if FLAT in v and len(window) == c.no_signal_window and _mean(window) > c.no_signal_fraction:
+            found["no_signal"] = (
+                f"{FLAT} averaged {_mean(window):.3g} over the last {len(window)} iterations "
+                f"(> {c.no_signal_fraction:g})"
+            )
         if has_eval:
             (g0, r0), (g1, r1) = self._evals[0], self._evals[-1]
             if len(self._evals) == c.eval_window and g1 < g0 - c.eval_tol and r1 > r0 + c.eval_tol:

@@ -2,7 +2,8 @@
 
     2. score:       reward model at the last real token; no EOS -> -missing_eos_penalty; normalised
     3. recompute:   policy logprobs (PPO's old logprobs), reference logprobs, values
-    4. advantages:  shaped rewards -> GAE -> whitening over all data-parallel ranks
+    4. advantages:  shaped rewards -> GAE -> whitening over all data-parallel ranks (the critic-free
+                    estimators: trainer/critic_free.py)
 
 Every forward goes through Megatron's schedule (`run_schedule`, forward only), so pipelined layouts
 work the same way; per-token outputs are read at the response positions of `Experience.response_index`.
@@ -113,20 +114,31 @@ def score_and_recompute(exp: Experience, models: Dict[str, list], frozen: Frozen
                         with_values: bool = True) -> Experience:
     """Phases 2-3: fills logprobs, ref_logprobs, values, rm_scores and scores of `exp` (in place; returned).
 
-    `models`: chunks by name ("policy", "reference", "reward" and, with `with_values`, "value")."""
+    `models`: chunks by name ("policy", "reference", "reward" and, with `with_values`, "value"; without a
+    "value" model, the critic-free estimators, exp.values stays None)."""
     mbs = exp.microbatches(micro_batch_size)
     v, t = frozen.vocab_size, frozen.temperature
     cat = lambda parts: torch.cat(parts)  # noqa: E731
-    raw = cat(forward_collect(models["reward"], mbs, last_token_scores))
-    exp.rm_scores = (raw - frozen.reward_mean) / frozen.reward_std
-    exp.scores = penalize_missing_eos(exp.rm_scores, exp.ended, -frozen.missing_eos_penalty)
+    exp.rm_scores, exp.scores = score_responses(models["reward"], mbs, frozen)
     exp.logprobs = cat(forward_collect(models["policy"], mbs, lambda o, mb: response_logprobs(o, mb, v, t)))
     exp.ref_logprobs = cat(forward_collect(models["reference"], mbs, lambda o, mb: response_logprobs(o, mb, v, t)))
     mask = exp.response_mask
-    if with_values:
+    if with_values and "value" in models:
         exp.values = cat(forward_collect(models["value"], mbs, response_values)) * mask
     exp.logprobs, exp.ref_logprobs = exp.logprobs * mask, exp.ref_logprobs * mask
     return exp
+
+
+def score_responses(reward_chunks, microbatches: List[Batch], frozen: Frozen) -> tuple[torch.Tensor, torch.Tensor]:
+    """Phase 2 alone: (normalised RM scores [B], scores [B] with -missing_eos_penalty where no EOS)."""
+    raw = torch.cat(forward_collect(reward_chunks, microbatches, last_token_scores))
+    rm_scores = (raw - frozen.reward_mean) / frozen.reward_std
+    return rm_scores, penalize_missing_eos(rm_scores, _ended(microbatches), -frozen.missing_eos_penalty)
+
+
+def _ended(microbatches: List[Batch]) -> torch.Tensor:
+    """[B] bool: which responses emitted EOS, concatenated over the micro-batches."""
+    return torch.cat([mb["ended"] for mb in microbatches])
 
 
 def estimate_advantages(exp: Experience, beta: float, kl_estimator: str, gamma: float, lam: float,
@@ -149,19 +161,21 @@ def rollout_stats(exp: Experience, dp_group=None) -> Dict[str, torch.Tensor]:
     seq = torch.ones_like(exp.scores)
     log_ratio = (exp.logprobs - exp.ref_logprobs) * mask
     rho = torch.exp((exp.logprobs - exp.sampler_logprobs) * mask)
-    explained = explained_variance(exp.values, exp.returns, mask, dp_group)
     rho_max = (rho * mask).max() if mask.sum() > 0 else torch.ones(())
     if dp_group is not None and torch.distributed.get_world_size(dp_group) > 1:
         torch.distributed.all_reduce(rho_max, op=torch.distributed.ReduceOp.MAX, group=dp_group)
+    stats = {} if exp.values is None else {  # the critic-free estimators have no value model
+        "value_explained_variance": explained_variance(exp.values, exp.returns, mask, dp_group),
+        "return_mean": masked.masked_mean(exp.returns, mask, dp_group),
+    }
     return {
+        **stats,
         "rm_score": masked.masked_mean(exp.rm_scores, seq, dp_group),
         "score": masked.masked_mean(exp.scores, seq, dp_group),
         "kl_per_seq": masked.masked_mean(log_ratio.sum(-1), seq, dp_group),
         "kl_per_token": masked.masked_mean(log_ratio, mask, dp_group),
         "response_length": masked.masked_mean(mask.sum(-1), seq, dp_group),
         "truncation_rate": masked.masked_mean((~exp.ended).float(), seq, dp_group),
-        "value_explained_variance": explained,
-        "return_mean": masked.masked_mean(exp.returns, mask, dp_group),
         "rho_mean": masked.masked_mean(rho, mask, dp_group),
         "rho_abs_dev": masked.masked_mean((rho - 1).abs(), mask, dp_group),
         "rho_max": rho_max,

@@ -3,7 +3,8 @@
 One iteration, each phase timed as time/<phase>:
     1. rollout     ppo.rollout_batch_size prompts (split over data-parallel ranks) -> the RolloutEngine
     2-3. score     reward model, missing-EOS penalty, normalisation; old/reference logprobs, values
-    4. advantages  shaped rewards -> GAE -> whitening over all DP ranks (trainer/experience.py)
+    4. advantages  shaped rewards -> GAE -> whitening over all DP ranks (trainer/experience.py); or the
+                   critic-free ppo.advantage_estimator grpo/rloo/remax (trainer/critic_free.py)
     5. train       ppo.epochs x minibatches: one policy step and one value step each (trainer/ppo_learn.py)
     6. after       KL controller, metrics + doctor warnings, eval, samples, checkpoint
 Everything a run needs to continue bit-identically is checkpointed (models, optimizers, schedulers, KL
@@ -26,15 +27,17 @@ from megatron_rlhf.batching import ShardedBatchSampler
 from megatron_rlhf.checkpoint import state as ckpt
 from megatron_rlhf.metrics import peak_memory_gib
 from megatron_rlhf.parallel import init
-from megatron_rlhf.ppo_config import check_ppo_layout
+from megatron_rlhf.ppo_config import check_ppo_layout, rollouts_per_iteration
 from megatron_rlhf.rollout.base import SamplingParams
 from megatron_rlhf.rollout.hybrid import make_rollout_engine
 from megatron_rlhf.rollout.offload import PhaseMemory, offloaded
+from megatron_rlhf.trainer import critic_free as cf
 from megatron_rlhf.trainer.doctor import Doctor
-from megatron_rlhf.trainer.experience import Frozen, estimate_advantages, rollout_stats, score_and_recompute
+from megatron_rlhf.trainer.experience import Frozen, rollout_stats, score_and_recompute
 from megatron_rlhf.trainer.ppo_eval import evaluate, generate, load_gold_scorer, sample_panel, summary, uniforms
 from megatron_rlhf.trainer.ppo_learn import SkipGuard, TrainingDiverged, learn
 from megatron_rlhf.trainer.ppo_models import build_ppo_models
+from megatron_rlhf.trainer.ptx import PtxBatches
 from megatron_rlhf.trainer.run import (
     StopFlag, open_metrics, record_run, resume_point, save_or_stop, start_run, write_json,
 )
@@ -65,16 +68,17 @@ def fit(cfg) -> Dict[str, float]:
     dp_group, tok, log = ps.get_data_parallel_group(), ctx.tokenizer, ctx.log
     train_prompts, eval_prompts = load_prompts(cfg, tok, log)
     sampler = ShardedBatchSampler(len(train_prompts), p.rollout_batch_size, ctx.dp_rank, ctx.dp_size, seed=cfg.data.seed)
-    steps_per_iteration = p.epochs * (p.rollout_batch_size // p.minibatch_size)
+    steps_per_iteration = p.epochs * (rollouts_per_iteration(p) // p.minibatch_size)
     m = build_ppo_models(cfg, ctx, p.iterations * steps_per_iteration)
     vocab = ctx.model_cfg.vocab_size
     frozen = Frozen(vocab, p.temperature, m.reward_mean, m.reward_std, p.missing_eos_penalty)
     kl_ctl = (AdaptiveKLController(p.beta, p.adaptive_kl_target, p.adaptive_kl_gain) if p.adaptive_kl_target
               else FixedKLController(p.beta))
     doctor, gold = Doctor(p.doctor), load_gold_scorer(p.gold_scorer)
-    trained = {"policy": m.policy.chunks, "value": m.value.chunks}
-    optimizers = {"policy": m.policy.optimizer, "value": m.value.optimizer}
-    schedulers = {"policy": m.policy.scheduler, "value": m.value.scheduler}
+    trained = {k: t.chunks for k, t in m.trainables().items()}  # no value model when critic-free
+    optimizers = {k: t.optimizer for k, t in m.trainables().items()}
+    schedulers = {k: t.scheduler for k, t in m.trainables().items()}
+    ptx = PtxBatches.load(cfg, tok, ctx.dp_rank, ctx.dp_size, log) if p.ptx_coef > 0 else None
 
     iteration, steps_done, baseline, last_eval = 0, {"policy": 0, "value": 0}, None, {}
     resume_from = resume_point(cfg, ctx)
@@ -88,6 +92,8 @@ def fit(cfg) -> Dict[str, float]:
         kl_ctl.load_state_dict(extra["kl"])
         doctor.load_state_dict(extra["doctor"])
         baseline, last_eval = extra["baseline"], extra["last_eval"]
+        if ptx is not None:
+            ptx.load_state_dict(extra["ptx"])
         if log:
             log(f"resumed from {resume_from} at iteration {iteration}")
     record_run(cfg, ctx)
@@ -95,7 +101,8 @@ def fit(cfg) -> Dict[str, float]:
     def save(at: int) -> None:
         ckpt.save_checkpoint(ctx.ckpt_root, at, trained, optimizers, schedulers, {
             "data": sampler.state_dict(), "kl": kl_ctl.state_dict(), "doctor": doctor.state_dict(),
-            "steps_done": steps_done, "baseline": baseline, "last_eval": last_eval}, keep_last=cfg.checkpoint.keep_last)
+            "steps_done": steps_done, "baseline": baseline, "last_eval": last_eval,
+            **({"ptx": ptx.state_dict()} if ptx is not None else {})}, keep_last=cfg.checkpoint.keep_last)
 
     engine = make_rollout_engine(cfg, ctx.model_cfg, m.policy.chunks, tok)  # rollout.tp: own layout if needed
     def evaluate_policy() -> Dict[str, float]:
@@ -114,17 +121,19 @@ def fit(cfg) -> Dict[str, float]:
     while iteration < stop_at:
         with metrics.timer("time/iteration") as timing:
             with metrics.timer("time/rollout"), offloaded([m.policy, m.value]):  # grads + optimizer state to host
-                exp = rollout(engine, train_prompts, next(sampler), cfg, iteration, ctx.dp_rank, tok)
+                prompt_indices = next(sampler)
+                exp = rollout(engine, train_prompts, prompt_indices, cfg, iteration, ctx.dp_rank, tok)
             with metrics.timer("time/score"), m.frozen_on_device():
                 score_and_recompute(exp, m.forward_models(), frozen, cfg.train.micro_batch_size)
+                greedy = cf.remax_baseline(engine, [train_prompts[i] for i in prompt_indices], tok, m.reward, frozen, cfg)
             with metrics.timer("time/advantages"):
-                estimate_advantages(exp, kl_ctl.beta, p.kl_estimator, p.gamma, p.lam, p.whiten_advantages, dp_group)
-                stats = {f"ppo/{k}": float(v) for k, v in rollout_stats(exp, dp_group).items()}
+                group = cf.estimate(exp, cfg.ppo, kl_ctl.beta, greedy, dp_group)  # GAE, or grpo/rloo/remax
+                stats = {f"ppo/{k}": float(v) for k, v in {**rollout_stats(exp, dp_group), **group}.items()}
                 batch = all_gather_experience(exp, dp_group)
             with metrics.timer("time/train"):
                 learned = learn(m.policy, m.value, batch, cfg, iteration=iteration, dp_rank=ctx.dp_rank,
                                 dp_size=ctx.dp_size, vocab_size=vocab, guard=guard, steps_done=steps_done,
-                                train_policy=iteration >= p.value_warmup_iterations)
+                                train_policy=iteration >= p.value_warmup_iterations, beta=kl_ctl.beta, ptx=ptx)
         iteration += 1
         stats.update({f"ppo/{k}": v for k, v in learned.items()})
         stats["ppo/beta"] = kl_ctl.beta
@@ -158,10 +167,13 @@ def load_prompts(cfg, tokenizer, log) -> tuple[List[List[int]], List[List[int]]]
 
 
 def rollout(engine, prompts: List[List[int]], indices: List[int], cfg, iteration: int, dp_rank: int, tokenizer) -> Experience:
-    """Phase 1: this rank's share of the iteration's prompts -> sampled responses (draws from (seed, iteration))."""
+    """Phase 1: this rank's share of the iteration's prompts -> sampled responses (draws from (seed, iteration)).
+
+    With ppo.samples_per_prompt = k each prompt is sampled k times, in consecutive rows (a whole group)."""
     p = cfg.ppo
+    indices = cf.group_rows(indices, p.samples_per_prompt)
     share = slice(dp_rank * len(indices), (dp_rank + 1) * len(indices))
-    draws = uniforms(cfg.train.seed, iteration, share, p.rollout_batch_size, p.max_new_tokens)
+    draws = uniforms(cfg.train.seed, iteration, share, rollouts_per_iteration(p), p.max_new_tokens)
     return generate(engine, [prompts[i] for i in indices], tokenizer, SamplingParams(p.max_new_tokens, p.temperature), draws)
 
 

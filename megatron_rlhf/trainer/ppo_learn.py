@@ -1,7 +1,8 @@
 """Phase 5 of a PPO iteration: `ppo.epochs` passes over shuffled minibatches of the rollout batch.
 
-Each minibatch is one optimizer step of the policy (clipped surrogate, optional entropy bonus) and one
-of the value model (clipped value loss x vf_coef), each through Megatron's schedule with token-sum
+Each minibatch is one optimizer step of the policy (clipped surrogate, optional entropy bonus, the KL
+term with ppo.kl_in=loss, PPO-ptx micro-batches with ppo.ptx_coef) and one of the value model (clipped
+value loss x vf_coef; none for the critic-free estimators), each through Megatron's schedule with token-sum
 losses divided once by the global token count (trainer/optim.py). Minibatches are cut from the GLOBAL
 rollout batch (every rank holds it, `batch.all_gather_experience`) with a permutation seeded by
 (seed, iteration): the same rollouts meet in the same minibatch whatever the data-parallel size, and a
@@ -16,9 +17,10 @@ from typing import Callable, Dict, List, Optional
 
 import torch
 
-from megatron_rlhf.algo.losses import entropy_bonus, policy_loss, value_loss
+from megatron_rlhf.algo.losses import entropy_bonus, kl_penalty, policy_loss, value_loss
 from megatron_rlhf.batch import Experience
 from megatron_rlhf.trainer.experience import response_entropy, response_logprobs, response_values
+from megatron_rlhf.trainer.ptx import PtxBatches, ptx_loss, with_scale
 from megatron_rlhf.trainer.run import Trainable
 from megatron_rlhf.trainer.step import make_forward_step, train_step
 
@@ -29,13 +31,35 @@ class TrainingDiverged(RuntimeError):
     """Too many optimizer steps in a row had NaN/Inf gradients."""
 
 
-def policy_loss_fn(vocab_size: int, temperature: float, clip_eps: float, entropy_coef: float, poison: dict):
-    """loss_fn(logits [b, S, V/tp], mb) -> (token-sum loss, tokens, stats) for `make_forward_step`."""
+POLICY_STATS = ("policy_loss", "clip_fraction", "approx_kl", "ratio", "entropy")
+
+
+def policy_loss_fn(vocab_size: int, temperature: float, clip_eps: float, entropy_coef: float, poison: dict,
+                   kl_coef: float = 0.0, kl_estimator: str = "k3", ptx: bool = False):
+    """loss_fn(logits [b, S, V/tp], mb) -> (token-sum loss, tokens, stats) for `make_forward_step`.
+
+    kl_coef > 0 (ppo.kl_in=loss): + kl_coef x sum_t KL_t(policy || reference) (algo.losses.kl_penalty).
+    ptx: the step also runs PPO-ptx micro-batches (they carry "labels"; trainer/ptx.py); every micro-batch
+    then reports every stat name (zeros for the other kind), as `reduce_stats` needs."""
+    names = POLICY_STATS + (("kl_loss_term",) if kl_coef > 0 else ()) + (("ptx_loss",) if ptx else ())
 
     def loss_fn(logits, mb):
+        if "labels" in mb:
+            loss_sum, n, stats = ptx_loss(logits, mb, vocab_size)
+        else:
+            loss_sum, n, stats = ppo_policy_loss(logits, mb)
+        zero = (torch.zeros(()), torch.zeros(()))
+        return loss_sum, n, {k: stats.get(k, zero) for k in names}
+
+    def ppo_policy_loss(logits, mb):
         mask = mb["response_mask"]
         logp = response_logprobs(logits, mb, vocab_size, temperature)
         loss_sum, s = policy_loss(logp, mb["logprobs"], mb["advantages"], mask, clip_eps)
+        stats = {}
+        if kl_coef > 0:
+            kl_sum, k = kl_penalty(logp, mb["ref_logprobs"], mask, kl_estimator)
+            loss_sum = loss_sum + kl_coef * kl_sum
+            stats["kl_loss_term"] = (k["kl_loss_term"], s["tokens"])
         if entropy_coef > 0:
             entropy = response_entropy(logits, mb, vocab_size, temperature)
             bonus, _ = entropy_bonus(entropy, mask)
@@ -47,7 +71,7 @@ def policy_loss_fn(vocab_size: int, temperature: float, clip_eps: float, entropy
             loss_sum = loss_sum * float("nan")
         n = s["tokens"]
         return loss_sum, n, {
-            "policy_loss": (loss_sum.detach(), n), "clip_fraction": (s["clipfrac"], n),
+            **stats, "policy_loss": (loss_sum.detach(), n), "clip_fraction": (s["clipfrac"], n),
             "approx_kl": (s["approx_kl"], n), "ratio": (s["ratio"], n),
             "entropy": ((entropy.detach() * mask).sum(), n),
         }
@@ -98,17 +122,23 @@ class SkipGuard:
                 "the last good checkpoint is intact. Lower train.lr / ppo.value_lr, check the reward scale, then resume")
 
 
-def learn(policy: Trainable, value: Trainable, exp: Experience, cfg, *, iteration: int, dp_rank: int, dp_size: int,
-          vocab_size: int, train_policy: bool, guard: SkipGuard, steps_done: Dict[str, int]) -> Dict[str, float]:
+def learn(policy: Trainable, value: Optional[Trainable], exp: Experience, cfg, *, iteration: int, dp_rank: int,
+          dp_size: int, vocab_size: int, train_policy: bool, guard: SkipGuard, steps_done: Dict[str, int],
+          beta: float = 0.0, ptx: Optional[PtxBatches] = None) -> Dict[str, float]:
     """Run the PPO epochs on the global rollout batch `exp`; returns iteration means of the step stats.
 
+    `value` None: the critic-free estimators (no value step). `beta`: the KL coefficient, used here only
+    with ppo.kl_in=loss. `ptx`: PPO-ptx batches (ppo.ptx_coef > 0), one per policy step.
     `steps_done` ({"policy": n, "value": n}) counts optimizer steps so far (for the NaN test hook) and is
     advanced here. Stats: policy_loss, clip_fraction, approx_kl, ratio, entropy, policy_grad_norm,
-    value_loss, value_clip_fraction, value_grad_norm, ratio_first_minibatch, skipped_steps.
+    value_loss, value_clip_fraction, value_grad_norm, ratio_first_minibatch, skipped_steps, and
+    kl_loss_term (kl_in=loss), ptx_loss (PPO-ptx).
     """
     p = cfg.ppo
     poison, poisoned = {}, _poisoned_steps()
-    policy_step = make_forward_step(policy_loss_fn(vocab_size, p.temperature, p.clip_eps, p.entropy_coef, poison))
+    kl_coef = beta if p.kl_in == "loss" else 0.0
+    policy_step = make_forward_step(policy_loss_fn(vocab_size, p.temperature, p.clip_eps, p.entropy_coef, poison,
+                                                   kl_coef, p.kl_estimator, ptx is not None))
     value_step = make_forward_step(value_loss_fn(p.value_clip_eps, p.vf_coef))
     generator = torch.Generator().manual_seed(cfg.train.seed * 1_000_003 + iteration)
     share = p.minibatch_size // dp_size
@@ -122,13 +152,22 @@ def learn(policy: Trainable, value: Trainable, exp: Experience, cfg, *, iteratio
             if train_policy:
                 steps_done["policy"] += 1
                 poison["now"] = steps_done["policy"] in poisoned.get("policy", ())
-                s = train_step(policy.chunks, policy.optimizer, policy.scheduler, mbs, policy_step, skip_nonfinite=True)
+                policy_mbs = mbs
+                if ptx is not None:  # the whole minibatch's tokens: every rank holds the global batch
+                    ptx_mbs, ptx_tokens = ptx.next_share()
+                    policy_tokens = float(exp.response_mask[order[start:start + p.minibatch_size]].sum())
+                    policy_mbs = mbs + with_scale(ptx_mbs, p.ptx_coef, policy_tokens, ptx_tokens)
+                s = train_step(policy.chunks, policy.optimizer, policy.scheduler, policy_mbs, policy_step,
+                               skip_nonfinite=True)
                 guard.record("policy", steps_done["policy"], s)
                 first_ratio = s["ratio"] if first_ratio is None else first_ratio
-                for k in ("policy_loss", "clip_fraction", "approx_kl", "ratio", "entropy"):
-                    history[k].append(s[k])
+                for k in POLICY_STATS + ("kl_loss_term", "ptx_loss"):
+                    if k in s:
+                        history[k].append(s[k])
                 history["policy_grad_norm"].append(s["grad_norm"])
                 history["skipped_steps"].append(s["skipped"])
+            if value is None:
+                continue
             steps_done["value"] += 1
             s = train_step(value.chunks, value.optimizer, value.scheduler, mbs, value_step, skip_nonfinite=True)
             guard.record("value", steps_done["value"], s)

@@ -1,7 +1,8 @@
 """The four PPO models and the reward normalisation, built in the training layout.
 
     policy     trained  (DDP + optimizer)  from model.load (the SFT checkpoint)
-    value      trained  (DDP + optimizer)  from ppo.value_load (default: the RM), RM head or a fresh one
+    value      trained  (DDP + optimizer)  from ppo.value_load (default: the RM), RM head or a fresh one;
+                                           not built at all by the critic-free estimators (grpo, rloo, remax)
     reference  frozen   (no DDP, no grad)  from model.load; with ppo.reference_mode=swap, host copies of
                                            the policy's initial weights swapped into it (reference_swap.py)
     reward     frozen   (no DDP, no grad)  from ppo.reward_load; its checkpoint's reward_calibration
@@ -14,11 +15,12 @@ from __future__ import annotations
 
 import contextlib
 from dataclasses import dataclass
-from typing import Dict, Iterator, List, Union
+from typing import Dict, Iterator, List, Optional, Union
 
 import torch
 
 from megatron_rlhf.checkpoint import state as ckpt
+from megatron_rlhf.ppo_config import critic_free
 from megatron_rlhf.trainer.reference_swap import HostReference
 from megatron_rlhf.trainer.run import RunContext, Trainable, build_frozen, build_trainable, with_lr
 
@@ -26,7 +28,7 @@ from megatron_rlhf.trainer.run import RunContext, Trainable, build_frozen, build
 @dataclass
 class PPOModels:
     policy: Trainable
-    value: Trainable
+    value: Optional[Trainable]  # None: a critic-free estimator (no weights, grads or optimizer state exist)
     reference: Union[List[torch.nn.Module], HostReference]
     reward: List[torch.nn.Module]
     reward_mean: float
@@ -42,8 +44,14 @@ class PPOModels:
 
     def forward_models(self) -> Dict[str, list]:
         """Name -> chunks, as `experience.score_and_recompute` takes them."""
-        return {"policy": self.policy.chunks, "value": self.value.chunks,
-                "reference": self.reference, "reward": self.reward}
+        out = {"policy": self.policy.chunks, "reference": self.reference, "reward": self.reward}
+        if self.value is not None:
+            out["value"] = self.value.chunks
+        return out
+
+    def trainables(self) -> Dict[str, Trainable]:
+        """The trained models by name (what checkpoints hold): policy, and value unless critic-free."""
+        return {"policy": self.policy, **({"value": self.value} if self.value is not None else {})}
 
 
 def reward_calibration(path: str) -> Dict[str, float]:
@@ -65,15 +73,17 @@ def reward_calibration(path: str) -> Dict[str, float]:
 
 
 def build_ppo_models(cfg, ctx: RunContext, total_steps: int) -> PPOModels:
-    """Build and initialise the four models (collective)."""
+    """Build and initialise the four models, three for the critic-free estimators (collective)."""
     p = cfg.ppo
     torch.manual_seed(cfg.train.seed)
     policy = build_trainable(cfg, ctx, "lm", cfg.model.load, "policy", total_steps, check_for_nan_in_grad=False)
     # ppo.reference_mode=swap: the reference is the policy as loaded (both from model.load), kept in host memory
     swapped = HostReference(policy.chunks) if p.reference_mode == "swap" else None
-    value_from = p.value_load or p.reward_load
-    value = build_trainable(cfg, ctx, "scalar", value_from, "reward", total_steps, train_cfg=with_lr(cfg.train, p.value_lr),
-                            skip_head=p.value_head == "fresh", check_for_nan_in_grad=False)
+    value = None
+    if not critic_free(p):
+        value = build_trainable(cfg, ctx, "scalar", p.value_load or p.reward_load, "reward", total_steps,
+                                train_cfg=with_lr(cfg.train, p.value_lr), skip_head=p.value_head == "fresh",
+                                check_for_nan_in_grad=False)
     if p.inference_tp is None:
         reference = swapped if swapped is not None else _freeze(build_frozen(cfg, ctx, "lm", cfg.model.load, "policy"))
         reward = _freeze(build_frozen(cfg, ctx, "scalar", p.reward_load, "reward"))

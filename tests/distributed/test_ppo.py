@@ -2,7 +2,8 @@
 
 The module fixture trains a small SFT policy and a reward model through the CLI (as a user would);
 the tests then run `megatron-rlhf ppo` on them: the true (gold) reward rises, iteration 1 is exact
-(KL 0, ratio 1), exact resume, TP=2 and PP=2 against TP=1 x DP=2, and NaN steps skipped / K in a row stop.
+(KL 0, ratio 1), exact resume, TP=2 and PP=2 against TP=1 x DP=2, NaN steps skipped / K in a row stop,
+and GRPO with PPO-ptx at DP=2 (whole groups, no value model).
 """
 
 import json
@@ -140,6 +141,29 @@ def assert_same_metrics(a, c):
             # Clip fractions count tokens on either side of a threshold: one token may flip (1/700).
             tol = dict(abs=0.005) if "clip_fraction" in key else dict(rel=1e-3, abs=1e-4)
             assert c[step][key] == pytest.approx(value, **tol), (step, key)
+
+
+def test_grpo_at_dp2_keeps_groups_whole_builds_no_value_model_and_mixes_ptx(base, tmp_path):
+    """Critic-free GRPO (4 samples per prompt, k3 KL in the loss) with PPO-ptx on 2 data-parallel ranks. Every
+    iteration the trainer checks that each group's 4 rows share one prompt (`critic_free.check_groups_whole`)."""
+    from torch.distributed.checkpoint import FileSystemReader
+
+    run = tmp_path / "grpo"
+    torchrun(CLI, *ppo_args(base, run, **{
+        "ppo.advantage_estimator": "grpo", "ppo.samples_per_prompt": 4, "ppo.rollout_batch_size": 16,
+        "ppo.kl_in": "loss", "ppo.kl_estimator": "k3", "ppo.whiten_advantages": "false", "ppo.ptx_coef": 0.1,
+        "ppo.ptx_data": base / "sft.jsonl", "ppo.iterations": 2, "ppo.eval_interval": 0, "ppo.eval_prompts": 32,
+        "checkpoint.save_interval": 0}), nproc=2, timeout=600)
+    r = rows(run)
+    assert r[1]["ppo/kl_per_seq"] == 0.0 and r[1]["ppo/ratio_first_minibatch"] == 1.0  # still exact at iteration 1
+    for step in (1, 2):
+        assert 0 <= r[step]["ppo/group_flat_fraction"] <= 1 and r[step]["ppo/group_reward_std"] > 0
+        assert r[step]["ppo/ptx_loss"] > 0 and r[step]["ppo/kl_loss_term"] >= 0
+        assert not any(k.startswith("ppo/value") for k in r[step]), sorted(r[step])
+    assert r[2]["ppo/kl_loss_term"] > 0
+    step_dir = run / "checkpoints" / "step_00000002"
+    keys = FileSystemReader(str(step_dir)).read_metadata().state_dict_metadata
+    assert keys and not any("value" in k for k in keys), sorted(keys)[:5]  # no value weights or optimizer state
 
 
 def test_nan_steps_are_skipped_and_k_in_a_row_stop(base, tmp_path):

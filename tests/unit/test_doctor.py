@@ -27,6 +27,7 @@ def healthy(i, rng):
         "ppo/response_length": 40 + 5 * t + rng.gauss(0, 1),
         "ppo/truncation_rate": 0.02 + rng.uniform(-0.01, 0.01),
         "ppo/rho_mean": 1.0 + rng.uniform(-0.01, 0.01),
+        "ppo/group_flat_fraction": rng.uniform(0.05, 0.45),  # grpo/rloo: a few groups score all alike
     }
     if i % EVAL_EVERY == 0:
         m["eval/gold_score"] = 0.3 + 0.5 * t + 0.01 * rng.gauss(0, 1)
@@ -61,6 +62,8 @@ BAD = {
     ),
     "rho_off": (lambda i, m: i >= BAD_FROM and m.update({"ppo/rho_mean": 1.08}), BAD_FROM),
     "reward_hacking": (_hack, BAD_FROM),
+    # most groups all alike (e.g. every sample already right, or all cut off): zero advantage, no signal
+    "no_signal": (lambda i, m: i >= BAD_FROM and m.update({"ppo/group_flat_fraction": 0.8}), BAD_FROM),
 }
 
 
