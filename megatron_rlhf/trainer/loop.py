@@ -89,9 +89,9 @@ def run_stage(cfg, stage: Stage) -> Dict[str, float]:
         indices = next(sampler)
         mbs = D.microbatches(splits.train, indices, cfg.train.micro_batch_size, collate,
                              pad_id=tokenizer.pad_token_id, pad_to=pad_to)
-        if attach is not None:
-            mbs = attach("train", mbs, indices)
         with metrics.timer("time/step") as timing:
+            if attach is not None:  # inside the timer: an online reference forward is part of the step
+                mbs = attach("train", mbs, indices)
             stats = train_step(chunks, optimizer, scheduler, mbs, forward_step)
         step += 1
         tokens = sum(int(mb["lengths"].sum()) for mb in mbs) * dp_size  # estimate: equal shares per DP rank
