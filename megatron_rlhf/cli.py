@@ -5,6 +5,7 @@
     megatron-rlhf sft CONFIG.yaml [key=value ...]     # stage 1
     megatron-rlhf rm  CONFIG.yaml [key=value ...]     # stage 2
     megatron-rlhf ppo CONFIG.yaml [key=value ...]     # stage 3
+    megatron-rlhf dpo CONFIG.yaml [key=value ...]     # DPO: offline, from the SFT checkpoint
     megatron-rlhf convert hf-to-megatron --hf-dir IN --out OUT   # and megatron-to-hf
     megatron-rlhf prepare-tiny OUT_DIR                # data + tokenizer of the tiny CPU task
     megatron-rlhf launch --nproc-per-node N sft ...   # N ranks on this node (preemption-safe torchrun)
@@ -42,6 +43,7 @@ COMMANDS = {
     "sft": Command("supervised fine-tuning on demonstrations (stage 1)", "megatron_rlhf.trainer.sft:run", C.SFTConfig),
     "rm": Command("Bradley-Terry reward model on preference pairs (stage 2)", "megatron_rlhf.trainer.rm:run", C.RMConfig),
     "ppo": Command("PPO against the reward model, KL-penalised to the SFT policy (stage 3)", "megatron_rlhf.trainer.ppo:run", C.PPOConfig),
+    "dpo": Command("DPO on preference pairs against the frozen SFT policy (offline; no reward model)", "megatron_rlhf.trainer.dpo:run", C.DPOConfig),
     "convert": Command("HF <-> Megatron checkpoints: convert hf-to-megatron|megatron-to-hf ...", "megatron_rlhf.checkpoint.convert_cli:main"),
     "prepare-tiny": Command("write the tiny sort-digits task (tokenizer + jsonl)", "megatron_rlhf.tasks.sort_digits:main"),
     "launch": Command("run N ranks of a command on this node: launch --nproc-per-node N sft CONFIG.yaml ...", "megatron_rlhf.launch:main"),

@@ -13,7 +13,7 @@ names the key, the value and the fix. The merging, type checks and messages are 
 `<run_dir>/config.yaml`; loading that file again gives the same config.
 
 Groups shared by all commands (`RunConfig`): model, parallel, fp8, tokenizer, data, train,
-checkpoint, logging. `SFTConfig`, `RMConfig` (+ calibration) and `PPOConfig` (+ ppo) add their own.
+checkpoint, logging. `SFTConfig`, `RMConfig` (+ calibration), `PPOConfig` (+ ppo) and `DPOConfig` (+ dpo) add their own.
 Relative paths are relative to the current working directory.
 """
 
@@ -31,6 +31,7 @@ from megatron_rlhf import config_io
 from megatron_rlhf.fields import ConfigError, help_field as _f, require as _require  # noqa: F401
 from megatron_rlhf.models.spec import ModelConfig, model_config_from_hf
 from megatron_rlhf.parallel.layout import Fp8Config, ParallelConfig
+from megatron_rlhf.dpo_config import DPOSection, validate_dpo
 from megatron_rlhf.ppo_config import PPOSection, validate_ppo
 from megatron_rlhf.rollout_config import RolloutSection
 
@@ -227,6 +228,17 @@ class PPOConfig(RunConfig):
 
     ppo: PPOSection = field(default_factory=PPOSection)
     rollout: RolloutSection = field(default_factory=RolloutSection)
+
+
+@dataclass
+class DPOConfig(RunConfig):
+    """`megatron-rlhf dpo`: DPO on (prompt, chosen, rejected) rows against a frozen SFT reference.
+
+    `model.load` is the SFT checkpoint (policy init and the reference); `train` sets the optimizer and
+    `train.global_batch_size` pairs per step; the `dpo` group the rest (dpo_config.DPOSection).
+    """
+
+    dpo: DPOSection = field(default_factory=DPOSection)
 
 
 # --------------------------------------------------------------------------------------------
@@ -428,6 +440,8 @@ def validate(cfg: Any) -> None:
     )
     if isinstance(cfg, PPOConfig):
         validate_ppo(cfg)
+    if isinstance(cfg, DPOConfig):
+        validate_dpo(cfg)
     if isinstance(cfg, RMConfig):
         cal = cfg.calibration
         _require(cal.num_prompts >= 1, f"calibration.num_prompts={cal.num_prompts} must be >= 1")

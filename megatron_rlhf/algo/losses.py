@@ -121,15 +121,22 @@ def dpo_loss(
     ref_chosen_logps: torch.Tensor,
     ref_rejected_logps: torch.Tensor,
     beta: float = 0.1,
+    label_smoothing: float = 0.0,
 ) -> Tuple[torch.Tensor, Stats]:
     """DPO (Rafailov et al. 2023): mean -logsigmoid(beta * ((lp_w - lpref_w) - (lp_l - lpref_l))).
 
-    All inputs [N]: summed log-probs of each full response. stats (detached means): chosen_reward,
-    rejected_reward (the implicit rewards beta * log-ratio), accuracy (chosen_reward > rejected_reward).
+    All inputs [N]: summed log-probs of each full response. `label_smoothing` eps assumes each label
+    is flipped with probability eps (conservative DPO): the loss per pair becomes
+    -(1 - eps) * logsigmoid(h) - eps * logsigmoid(-h), h the margin of implicit rewards.
+    stats (detached means): chosen_reward, rejected_reward (the implicit rewards beta * log-ratio),
+    accuracy (chosen_reward > rejected_reward).
     """
     chosen = beta * (policy_chosen_logps - ref_chosen_logps)
     rejected = beta * (policy_rejected_logps - ref_rejected_logps)
-    loss = -F.logsigmoid(chosen - rejected).mean()
+    margin = chosen - rejected
+    loss = -F.logsigmoid(margin).mean()
+    if label_smoothing:
+        loss = (1.0 - label_smoothing) * loss - label_smoothing * F.logsigmoid(-margin).mean()
     with torch.no_grad():
         stats = {
             "chosen_reward": chosen.mean(),

@@ -1,4 +1,4 @@
-"""The supervised training loop shared by SFT and the reward model (and reused by PPO's pieces).
+"""The supervised training loop shared by SFT, the reward model and DPO (and reused by PPO's pieces).
 
     validate config + layout -> init distributed -> build model -> initial weights -> DDP + optimizer
     -> resume (exact: weights, optimizer, scheduler, RNG, data cursor, step) -> for each step:
@@ -40,6 +40,11 @@ class Stage:
     # After the last step: extra state for the final checkpoint (e.g. reward calibration), also
     # written to <run_dir>/<key>.json. Called as finalize(cfg, chunks, tokenizer, dp_rank, dp_size, log).
     finalize: Optional[Callable[..., Dict[str, dict]]] = None
+    # Inputs a batch needs from outside the trained model (DPO: reference logprobs). Called once, after the
+    # data is loaded and before the model is built, as prepare(cfg, ctx, splits, pad_to) -> attach; then
+    # attach(split, microbatches, indices) -> microbatches for each train step ("train") and eval ("eval"),
+    # `indices` being this rank's dataset rows of those microbatches, in order.
+    prepare: Optional[Callable[..., Callable]] = None
 
 
 def run_stage(cfg, stage: Stage) -> Dict[str, float]:
@@ -54,6 +59,7 @@ def run_stage(cfg, stage: Stage) -> Dict[str, float]:
     total_steps = C.total_train_steps(cfg.train, sampler.steps_per_epoch)
     collate = COLLATE[stage.data_kind]
     pad_to = cfg.data.max_seq_len if cfg.parallel.pp > 1 else None  # pipelines need one shape
+    attach = stage.prepare(cfg, ctx, splits, pad_to) if stage.prepare is not None else None
 
     torch.manual_seed(cfg.train.seed)
     model = build_trainable(cfg, ctx, stage.head, cfg.model.load, stage.init_source, total_steps)
@@ -86,6 +92,8 @@ def run_stage(cfg, stage: Stage) -> Dict[str, float]:
         mbs = microbatches(splits.train, indices, cfg.train.micro_batch_size, collate,
                              pad_id=tokenizer.pad_token_id, pad_to=pad_to)
         with metrics.timer("time/step") as timing:
+            if attach is not None:  # inside the timer: an online reference forward is part of the step
+                mbs = attach("train", mbs, indices)
             stats = train_step(chunks, optimizer, scheduler, mbs, forward_step)
         step += 1
         tokens = sum(int(mb["lengths"].sum()) for mb in mbs) * dp_size  # estimate: equal shares per DP rank
@@ -95,7 +103,7 @@ def run_stage(cfg, stage: Stage) -> Dict[str, float]:
         metrics.log_step(step, {f"train/{k}": v for k, v in stats.items()} | perf, last=step == stop_at)
         evaluate_now = cfg.train.eval_interval and step % cfg.train.eval_interval == 0
         if splits.eval is not None and (evaluate_now or step == total_steps):
-            last_eval = evaluate(chunks, splits.eval, stage, cfg, tokenizer, dp_size, pad_to)
+            last_eval = evaluate(chunks, splits.eval, stage, cfg, tokenizer, dp_size, pad_to, attach)
             metrics.log(step, {f"eval/{k}": v for k, v in last_eval.items()})
         done = save_or_stop(cfg, step, stop, save, metrics, log)
         if done == "stopped":
@@ -119,7 +127,7 @@ def run_stage(cfg, stage: Stage) -> Dict[str, float]:
 
 
 @torch.no_grad()
-def evaluate(chunks, dataset, stage: Stage, cfg, tokenizer, dp_size: int, pad_to) -> Dict[str, float]:
+def evaluate(chunks, dataset, stage: Stage, cfg, tokenizer, dp_size: int, pad_to, attach=None) -> Dict[str, float]:
     """Forward-only pass over the whole held-out set; sums reduced over DP ranks, divided once."""
     from megatron.core import parallel_state as ps
 
@@ -132,6 +140,8 @@ def evaluate(chunks, dataset, stage: Stage, cfg, tokenizer, dp_size: int, pad_to
             part = indices[start: start + cfg.train.micro_batch_size]
             mbs = microbatches(dataset, part, len(part), COLLATE[stage.data_kind],
                                  pad_id=tokenizer.pad_token_id, pad_to=pad_to)
+            if attach is not None:
+                mbs = attach("eval", mbs, part)
             outputs += run_schedule(chunks, mbs, forward_step, forward_only=True)
     for c in chunks:
         c.train()

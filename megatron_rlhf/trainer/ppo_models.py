@@ -85,8 +85,8 @@ def build_ppo_models(cfg, ctx: RunContext, total_steps: int) -> PPOModels:
                                 train_cfg=with_lr(cfg.train, p.value_lr), skip_head=p.value_head == "fresh",
                                 check_for_nan_in_grad=False)
     if p.inference_tp is None:
-        reference = swapped if swapped is not None else _freeze(build_frozen(cfg, ctx, "lm", cfg.model.load, "policy"))
-        reward = _freeze(build_frozen(cfg, ctx, "scalar", p.reward_load, "reward"))
+        reference = swapped if swapped is not None else freeze(build_frozen(cfg, ctx, "lm", cfg.model.load, "policy"))
+        reward = freeze(build_frozen(cfg, ctx, "scalar", p.reward_load, "reward"))
     else:  # their own layout, TP = ppo.inference_tp and PP = 1 (trainer/inference_layout.py)
         from megatron_rlhf.trainer.inference_layout import build_frozen_pair
 
@@ -103,7 +103,7 @@ def build_ppo_models(cfg, ctx: RunContext, total_steps: int) -> PPOModels:
     return PPOModels(policy, value, reference, reward, mean, std, p.offload_frozen)
 
 
-def _freeze(chunks: List[torch.nn.Module]) -> List[torch.nn.Module]:
+def freeze(chunks: List[torch.nn.Module]) -> List[torch.nn.Module]:
     for c in chunks:
         c.eval()
         for param in c.parameters():
