@@ -53,8 +53,9 @@ def test_sigusr1_to_the_node_task_checkpoints_and_requeues(data, tmp_path):  # n
     job.wait_for(_steps(run))
     task = next(p for p in psutil.Process(job.proc.pid).children(recursive=True)
                 if "slurm/node.sh" in " ".join(p.cmdline()))
-    ranks = [p for p in task.children(recursive=True) if "megatron_rlhf.cli" in " ".join(p.cmdline())
-             and "launch" not in p.cmdline()]
+    # The ranks are the launcher's direct children (a rank's forked checkpoint writers share its command line).
+    launcher = next(p for p in task.children(recursive=True) if "launch" in p.cmdline())
+    ranks = [p for p in launcher.children() if "megatron_rlhf.cli" in " ".join(p.cmdline())]
     assert len(ranks) == 2
     os.killpg(os.getpgid(task.pid), signal.SIGUSR1)  # Slurm signals the step's tasks, not the batch shell
     rc, alive = job.finish()
