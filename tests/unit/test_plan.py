@@ -85,8 +85,11 @@ def test_llama3_70b_recipe_by_hand():
     assert m["policy"].optimizer == max(first, last) * 12 / 4
     assert not m["reference"].resident and not m["reward"].resident  # ppo.offload_frozen
     assert plan.world == 128 and plan.dp == 4 and plan.fits
-    # The hybrid engine's layouts (issue 9) change the plan when their keys exist: TP=8 PP=1 for generation.
-    assert any("rollout.tp" in n for n in plan.notes)
+    # The recipe generates at rollout.tp=8 (PP=1) and scores at ppo.inference_tp=8 (PP=1).
+    assert m["reference"].layout.startswith("TP=8 PP=1") and m["reward"].layout.startswith("TP=8 PP=1")
+    assert not any("rollout.tp" in n for n in plan.notes)
+    # Without a generation layout a pipelined policy would generate through its pipeline: the plan says so.
+    assert any("rollout.tp" in n for n in _plan(R70, C70, "rollout.tp=null").notes)
 
 
 @pytest.mark.parametrize("overrides, error, fragment", [
