@@ -6,7 +6,7 @@ import random
 import pytest
 
 from megatron_rlhf.tasks import sort_digits
-from tests.distributed.launch import ROOT, torchrun
+from tests.distributed.launch import ROOT, STARTED_JOBS, torchrun
 
 CLI = ROOT / "megatron_rlhf" / "cli.py"
 MODEL = {"model.num_layers": 2, "model.hidden_size": 64, "model.ffn_hidden_size": 128, "model.num_attention_heads": 4,
@@ -45,3 +45,11 @@ def base(tmp_path_factory):
                                 "calibration.prompts_path": d / "prompts.jsonl", "calibration.num_prompts": 128,
                                 "calibration.max_new_tokens": 11}), nproc=2, timeout=600)
     return d
+
+
+@pytest.fixture(autouse=True)
+def _no_job_outlives_its_test():
+    """A test that fails before its job ends must not leave ranks training on (they would slow every later test)."""
+    yield
+    while STARTED_JOBS:
+        STARTED_JOBS.pop().kill_all()

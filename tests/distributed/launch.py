@@ -19,6 +19,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
+STARTED_JOBS: list = []  # test_preemption.Job instances; conftest kills what is left of them after each test
 SCRIPTS = Path(__file__).resolve().parent / "scripts"
 
 

@@ -12,7 +12,7 @@ import time
 import psutil
 import pytest
 
-from tests.distributed.launch import ROOT, child_env, free_port
+from tests.distributed.launch import ROOT, STARTED_JOBS, child_env, free_port
 from tests.distributed.test_training import CLI, data, losses, overrides  # noqa: F401 (fixture)
 
 
@@ -25,6 +25,16 @@ class Job:
         self.proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=open(log, "w"),
                                      stderr=subprocess.STDOUT, start_new_session=True)
         self.seen = {}
+        STARTED_JOBS.append(self)  # killed with every descendant when the test ends (conftest), pass or fail
+
+    def kill_all(self):
+        """Kill the launcher and every descendant it ever had (after a failed assertion: no orphan trains on)."""
+        self.watch()
+        for p in [self.proc, *self.seen.values()]:
+            try:
+                p.kill()
+            except (psutil.Error, ProcessLookupError):
+                pass
 
     def watch(self):
         try:
