@@ -96,7 +96,7 @@ def _phase_what(phase: str) -> str:
 
 
 def _opt(cfg, group: str, key: str):
-    """A key another issue adds (rollout.tp, ppo.inference_tp): its value, or None while it does not exist."""
+    """An optional layout key (rollout.tp, ppo.inference_tp): its value, or None when the group lacks it (SFT/RM)."""
     section = getattr(cfg, group, None)
     return getattr(section, key, None) if section is not None else None
 
