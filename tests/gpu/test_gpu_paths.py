@@ -5,26 +5,12 @@ plain `pytest tests/gpu` for the single-GPU ones.
 """
 
 import importlib.util
-import os
 
 import pytest
 import torch
 
 cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 te = pytest.mark.skipif(importlib.util.find_spec("transformer_engine") is None, reason="needs Transformer Engine")
-
-
-@pytest.fixture
-def world_of_one(monkeypatch):
-    from tests.distributed.launch import free_port
-
-    for k, v in dict(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1",
-                     MASTER_PORT=str(free_port())).items():
-        monkeypatch.setenv(k, os.environ.get(k, v) if k != "MASTER_PORT" else v)
-    yield
-    from megatron_rlhf.parallel import init
-
-    init.destroy()
 
 
 def tiny(**kw):

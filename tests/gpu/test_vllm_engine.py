@@ -6,7 +6,6 @@ weights; mean |rho - 1| (trainer log-prob vs vLLM's) below 0.01 on sampled token
 """
 
 import importlib.util
-import os
 
 import pytest
 import torch
@@ -14,19 +13,6 @@ import torch
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available() or importlib.util.find_spec("vllm") is None,
                                 reason="needs CUDA and vllm")
 VOCAB, T = 256, 8
-
-
-@pytest.fixture
-def world_of_one(monkeypatch):
-    from tests.distributed.launch import free_port
-
-    for k, v in dict(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1",
-                     MASTER_PORT=str(free_port())).items():
-        monkeypatch.setenv(k, os.environ.get(k, v) if k != "MASTER_PORT" else v)
-    yield
-    from megatron_rlhf.parallel import init
-
-    init.destroy()
 
 
 def _prompts():
