@@ -6,9 +6,8 @@ import random
 import pytest
 
 from megatron_rlhf.tasks import sort_digits
-from tests.distributed.launch import ROOT, STARTED_JOBS, torchrun
+from tests.distributed.launch import CLI, STARTED_JOBS, torchrun
 
-CLI = ROOT / "megatron_rlhf" / "cli.py"
 MODEL = {"model.num_layers": 2, "model.hidden_size": 64, "model.ffn_hidden_size": 128, "model.num_attention_heads": 4,
          "model.num_query_groups": 2, "model.vocab_size": 17, "model.max_position_embeddings": 32}
 
@@ -44,6 +43,31 @@ def base(tmp_path_factory):
                                 "train.micro_batch_size": 32, "train.epochs": 2, "logging.run_dir": d / "rm",
                                 "calibration.prompts_path": d / "prompts.jsonl", "calibration.num_prompts": 128,
                                 "calibration.max_new_tokens": 11}), nproc=2, timeout=600)
+    return d
+
+
+# Session scope: stages 1-2 tests only read these files.
+@pytest.fixture(scope="session")
+def data(tmp_path_factory):
+    """Tokenizer, demonstrations and preference pairs with a known rule (chosen: even digits, rejected: odd)."""
+    d = tmp_path_factory.mktemp("tiny_data")
+    sort_digits.save_tokenizer(str(d / "tokenizer"))
+    rng = random.Random(0)
+    write = lambda name, rows: (d / name).write_text("".join(json.dumps(r) + "\n" for r in rows))
+    write("sft.jsonl", sort_digits.demonstrations(256, rng))
+    write("sft_eval.jsonl", sort_digits.demonstrations(64, rng))
+
+    # Preference pairs with a known rule: the chosen response uses even digits, the rejected odd ones.
+    def pair():
+        digits = [rng.randrange(10) for _ in range(rng.randint(3, 6))]
+        prompt = sort_digits.make_prompt(digits)
+        n = len(digits)
+        even = " ".join(str(rng.choice([0, 2, 4, 6, 8])) for _ in range(n))
+        odd = " ".join(str(rng.choice([1, 3, 5, 7, 9])) for _ in range(n))
+        return {"prompt": prompt, "chosen": even, "rejected": odd}
+
+    write("pairs.jsonl", [pair() for _ in range(512)])
+    write("pairs_eval.jsonl", [pair() for _ in range(128)])
     return d
 
 

@@ -16,11 +16,13 @@ import tempfile
 import time
 from pathlib import Path
 
+import psutil
 import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
-STARTED_JOBS: list = []  # test_preemption.Job instances; conftest kills what is left of them after each test
+STARTED_JOBS: list = []  # Job instances; conftest kills what is left of them after each test
 SCRIPTS = Path(__file__).resolve().parent / "scripts"
+CLI = ROOT / "megatron_rlhf" / "cli.py"
 
 
 def free_port() -> int:
@@ -144,3 +146,79 @@ def sigterm_when(cmd, log: Path, ready, timeout: int = 300):
 def read_json(path) -> dict:
     with open(path) as f:
         return json.load(f)
+
+
+class Job:
+    """A launcher started in a session of its own; every descendant it ever had is remembered."""
+
+    def __init__(self, cmd, log):
+        self.log = log
+        env = child_env({"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port())})  # for a world of one
+        self.proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=open(log, "w"),
+                                     stderr=subprocess.STDOUT, start_new_session=True)
+        self.seen = {}
+        STARTED_JOBS.append(self)  # killed with every descendant when the test ends (conftest), pass or fail
+
+    def kill_all(self):
+        """Kill the launcher and every descendant it ever had (after a failed assertion: no orphan trains on)."""
+        self.watch()
+        for p in [self.proc, *self.seen.values()]:
+            try:
+                p.kill()
+            except (psutil.Error, ProcessLookupError):
+                pass
+
+    def watch(self):
+        try:
+            for c in psutil.Process(self.proc.pid).children(recursive=True):
+                self.seen.setdefault(c.pid, c)
+        except psutil.Error:
+            pass
+
+    def wait_for(self, cond, timeout=300):
+        deadline = time.time() + timeout
+        while time.time() < deadline and self.proc.poll() is None:
+            self.watch()
+            if cond():
+                return
+            time.sleep(0.2)
+        pytest.fail(f"condition not met (rc={self.proc.poll()}):\n{self.output()[-3000:]}")
+
+    def ranks(self):
+        return [c for c in psutil.Process(self.proc.pid).children() if "megatron_rlhf" in " ".join(c.cmdline())]
+
+    def finish(self, timeout=240):
+        """Wait for the launcher and then for every remembered descendant, without killing any."""
+        try:
+            rc = self.proc.wait(timeout=timeout)
+            deadline = time.time() + 30
+            alive = [c for c in self.seen.values() if is_alive(c)]
+            while alive and time.time() < deadline:
+                time.sleep(0.5)
+                alive = [c for c in alive if is_alive(c)]
+            return rc, [cmdline_of(c) for c in alive]
+        finally:
+            if self.proc.poll() is None:
+                self.proc.kill()
+            for c in self.seen.values():
+                try:
+                    c.kill()
+                except psutil.Error:
+                    pass
+
+    def output(self):
+        return open(self.log).read()
+
+
+def is_alive(p) -> bool:
+    try:
+        return p.is_running() and p.status() != psutil.STATUS_ZOMBIE
+    except psutil.Error:
+        return False
+
+
+def cmdline_of(p) -> str:
+    try:
+        return " ".join(p.cmdline())[:120]
+    except psutil.Error:
+        return str(p.pid)

@@ -13,9 +13,8 @@ import shutil
 import pytest
 
 from megatron_rlhf.metrics import read_jsonl
-from tests.distributed.launch import ROOT, torchrun
+from tests.distributed.launch import CLI, torchrun
 
-CLI = ROOT / "megatron_rlhf" / "cli.py"
 STEPS, SAVED = 10, 5
 
 

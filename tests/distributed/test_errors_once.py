@@ -6,10 +6,8 @@ import os
 import re
 import sys
 
-import pytest
-
-from tests.distributed.launch import child_env, run_reaped
-from tests.distributed.test_training import CLI, data, overrides, run_cli  # noqa: F401 (fixture)
+from tests.distributed.launch import CLI, child_env, run_reaped
+from tests.distributed.stages import overrides, run_cli
 
 
 def _error_lines(proc):

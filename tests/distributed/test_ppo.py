@@ -12,9 +12,8 @@ import os
 import pytest
 
 from megatron_rlhf.metrics import read_jsonl
-from tests.distributed.launch import ROOT, torchrun
+from tests.distributed.launch import CLI, torchrun
 
-CLI = ROOT / "megatron_rlhf" / "cli.py"
 
 
 def _args(d: dict):

@@ -5,91 +5,12 @@ training on as orphans; after a `kill -9` of a rank no helper process of the job
 
 import os
 import signal
-import subprocess
 import sys
-import time
 
-import psutil
 import pytest
 
-from tests.distributed.launch import ROOT, STARTED_JOBS, child_env, free_port
-from tests.distributed.test_training import CLI, data, losses, overrides  # noqa: F401 (fixture)
-
-
-class Job:
-    """A launcher started in a session of its own; every descendant it ever had is remembered."""
-
-    def __init__(self, cmd, log):
-        self.log = log
-        env = child_env({"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port())})  # for a world of one
-        self.proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=open(log, "w"),
-                                     stderr=subprocess.STDOUT, start_new_session=True)
-        self.seen = {}
-        STARTED_JOBS.append(self)  # killed with every descendant when the test ends (conftest), pass or fail
-
-    def kill_all(self):
-        """Kill the launcher and every descendant it ever had (after a failed assertion: no orphan trains on)."""
-        self.watch()
-        for p in [self.proc, *self.seen.values()]:
-            try:
-                p.kill()
-            except (psutil.Error, ProcessLookupError):
-                pass
-
-    def watch(self):
-        try:
-            for c in psutil.Process(self.proc.pid).children(recursive=True):
-                self.seen.setdefault(c.pid, c)
-        except psutil.Error:
-            pass
-
-    def wait_for(self, cond, timeout=300):
-        deadline = time.time() + timeout
-        while time.time() < deadline and self.proc.poll() is None:
-            self.watch()
-            if cond():
-                return
-            time.sleep(0.2)
-        pytest.fail(f"condition not met (rc={self.proc.poll()}):\n{self.output()[-3000:]}")
-
-    def ranks(self):
-        return [c for c in psutil.Process(self.proc.pid).children() if "megatron_rlhf" in " ".join(c.cmdline())]
-
-    def finish(self, timeout=240):
-        """Wait for the launcher and then for every remembered descendant, without killing any."""
-        try:
-            rc = self.proc.wait(timeout=timeout)
-            deadline = time.time() + 30
-            alive = [c for c in self.seen.values() if _alive(c)]
-            while alive and time.time() < deadline:
-                time.sleep(0.5)
-                alive = [c for c in alive if _alive(c)]
-            return rc, [_cmd(c) for c in alive]
-        finally:
-            if self.proc.poll() is None:
-                self.proc.kill()
-            for c in self.seen.values():
-                try:
-                    c.kill()
-                except psutil.Error:
-                    pass
-
-    def output(self):
-        return open(self.log).read()
-
-
-def _alive(p) -> bool:
-    try:
-        return p.is_running() and p.status() != psutil.STATUS_ZOMBIE
-    except psutil.Error:
-        return False
-
-
-def _cmd(p) -> str:
-    try:
-        return " ".join(p.cmdline())[:120]
-    except psutil.Error:
-        return str(p.pid)
+from tests.distributed.launch import CLI, Job, cmdline_of, free_port, is_alive
+from tests.distributed.stages import losses, overrides
 
 
 def _launch(data, run, log, launcher="launch", **extra):
@@ -147,7 +68,7 @@ def test_kill_9_of_a_rank_leaves_no_helper_behind(data, tmp_path, launcher):  # 
     run = tmp_path / "run"
     job = _launch(data, run, tmp_path / "log", launcher=launcher)
     job.wait_for(lambda: (run / "checkpoints" / "latest").exists())  # each rank now has its checkpoint manager
-    job.wait_for(lambda: any("multiprocessing" in _cmd(c) for c in job.seen.values() if _alive(c)))
+    job.wait_for(lambda: any("multiprocessing" in cmdline_of(c) for c in job.seen.values() if is_alive(c)))
     (job.proc if launcher == "none" else job.ranks()[-1]).kill()
     rc, alive = job.finish()
     assert rc != 0

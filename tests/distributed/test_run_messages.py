@@ -7,7 +7,8 @@ import sys
 
 from megatron_rlhf.metrics import read_jsonl
 from tests.distributed.launch import child_env, run_reaped
-from tests.distributed.test_training import CLI, data, overrides  # noqa: F401 (fixture)
+from tests.distributed.launch import CLI
+from tests.distributed.stages import overrides
 
 NOISE = re.compile(r"Warning|warnings\.warn|RerunStateMachine|Rerun State Machine|CUDA_DEVICE_MAX_CONNECTIONS")
 

@@ -11,9 +11,9 @@ from omegaconf import OmegaConf
 
 from megatron_rlhf.slurm import sbatch
 from megatron_rlhf.slurm.cluster import load_cluster
-from tests.distributed.launch import ROOT, free_port
-from tests.distributed.test_preemption import Job, _steps
-from tests.distributed.test_training import data, losses, overrides  # noqa: F401 (fixture)
+from tests.distributed.launch import ROOT, Job, free_port
+from tests.distributed.stages import losses, overrides
+from tests.distributed.test_preemption import _steps
 
 FAKE_SRUN = """#!/usr/bin/env bash
 # Stand-in for srun on one node: drop the options, run the task in a session of its own (as slurmstepd does).

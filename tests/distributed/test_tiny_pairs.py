@@ -10,9 +10,8 @@ import random
 import pytest
 
 from megatron_rlhf.tasks import sort_digits
-from tests.distributed.launch import ROOT, torchrun
+from tests.distributed.launch import CLI, torchrun
 
-CLI = ROOT / "megatron_rlhf" / "cli.py"
 NUM_PROMPTS, NUM_PAIRS, MAX_NEW = 32, 40, 8  # 40 > 32: pairs 32..39 reuse prompts 0..7
 
 

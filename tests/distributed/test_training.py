@@ -1,70 +1,15 @@
-"""Stages 1-2 end to end on CPU: SFT and RM learn, TensorBoard tags, exact resume (also at TP=2),
-kill -9 during a save, and SIGTERM -> checkpoint -> exit 0 -> resume."""
+"""Stages 1-2 end to end on CPU: SFT and RM learn, TensorBoard tags, exact resume (the RM at PP=2;
+SFT at TP=2 in test_vocab_padding.py), kill -9 during a save, and SIGTERM -> checkpoint -> exit 0 -> resume."""
 
 import json
 import os
-import random
 import sys
 
 import pytest
 
 from megatron_rlhf.metrics import read_jsonl
-from megatron_rlhf.tasks import sort_digits
-from tests.distributed.launch import ROOT, child_env, free_port, run_reaped, sigterm_when, torchrun
-
-CLI = ROOT / "megatron_rlhf" / "cli.py"
-
-
-@pytest.fixture(scope="module")
-def data(tmp_path_factory):
-    d = tmp_path_factory.mktemp("tiny_data")
-    sort_digits.save_tokenizer(str(d / "tokenizer"))
-    rng = random.Random(0)
-    write = lambda name, rows: (d / name).write_text("".join(json.dumps(r) + "\n" for r in rows))
-    write("sft.jsonl", sort_digits.demonstrations(256, rng))
-    write("sft_eval.jsonl", sort_digits.demonstrations(64, rng))
-
-    # Preference pairs with a known rule: the chosen response uses even digits, the rejected odd ones.
-    def pair():
-        digits = [rng.randrange(10) for _ in range(rng.randint(3, 6))]
-        prompt = sort_digits.make_prompt(digits)
-        n = len(digits)
-        even = " ".join(str(rng.choice([0, 2, 4, 6, 8])) for _ in range(n))
-        odd = " ".join(str(rng.choice([1, 3, 5, 7, 9])) for _ in range(n))
-        return {"prompt": prompt, "chosen": even, "rejected": odd}
-
-    write("pairs.jsonl", [pair() for _ in range(512)])
-    write("pairs_eval.jsonl", [pair() for _ in range(128)])
-    return d
-
-
-def overrides(data, run_dir, kind="sft", **extra):
-    train_file, eval_file = ("sft.jsonl", "sft_eval.jsonl") if kind == "sft" else ("pairs.jsonl", "pairs_eval.jsonl")
-    base = {
-        "model.num_layers": 2, "model.hidden_size": 32, "model.ffn_hidden_size": 64,
-        "model.num_attention_heads": 4, "model.num_query_groups": 2, "model.vocab_size": 17,
-        "model.max_position_embeddings": 32,
-        "tokenizer.path": data / "tokenizer",
-        "data.train_path": data / train_file, "data.eval_path": data / eval_file, "data.max_seq_len": 24,
-        "train.lr": 2e-3 if kind == "sft" else 1e-3, "train.lr_schedule": "constant",
-        "train.global_batch_size": 8, "train.micro_batch_size": 4, "train.train_steps": 6, "train.seed": 3,
-        "logging.run_dir": run_dir, "logging.progress_bar": "false", "logging.log_interval": 1,
-        "checkpoint.save_interval": 2,
-    }
-    if kind == "rm":
-        base["calibration.enabled"] = "false"
-    base.update(extra)
-    return [f"{k}={v}" for k, v in base.items()]
-
-
-def run_cli(kind, args, nproc=1, **kw):
-    return torchrun(CLI, kind, *args, nproc=nproc, **kw)
-
-
-def losses(run_dir):
-    """{step: train/loss}; a resumed run appends to the same file, the last row per step wins."""
-    rows = read_jsonl(os.path.join(run_dir, "metrics.jsonl"))
-    return {r["step"]: r["train/loss"] for r in rows if "train/loss" in r}
+from tests.distributed.launch import CLI, child_env, free_port, run_reaped, sigterm_when
+from tests.distributed.stages import losses, overrides, run_cli
 
 
 def test_sft_loss_falls_and_tensorboard_tags(data, tmp_path):
@@ -97,7 +42,8 @@ def test_rm_learns_a_known_rule(data, tmp_path):
     assert evals[-1]["eval/accuracy"] > 0.85, evals[-1]
 
 
-@pytest.mark.parametrize("kind, tp, pp", [("sft", 1, 1), ("sft", 2, 1), ("rm", 2, 1), ("rm", 1, 2)])
+# One rank: test_kill_9_during_save_keeps_previous_checkpoint; SFT at TP=2: test_vocab_padding.py.
+@pytest.mark.parametrize("kind, tp, pp", [("rm", 1, 2)])
 def test_resume_is_exact(data, tmp_path, kind, tp, pp):
     straight, split = tmp_path / "straight", tmp_path / "split"
     extra = {"parallel.tp": tp, "parallel.pp": pp}
