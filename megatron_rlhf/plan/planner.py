@@ -21,10 +21,11 @@ from dataclasses import dataclass, field
 from typing import Dict, List, Optional
 
 from megatron_rlhf.models.spec import ModelConfig
-from megatron_rlhf.parallel.layout import LayoutError, ParallelConfig, validate_layout
+from megatron_rlhf.parallel.layout import LayoutError, validate_layout
 from megatron_rlhf.plan.memory import (Activations, ModelMemory, activation_bytes, dtype_bytes, inference_bytes,
                                        kv_cache_bytes, model_memory)
 from megatron_rlhf.plan.params import Layout, params_per_gpu
+from megatron_rlhf.rollout_config import generation_tp
 
 GIB = 1024**3
 
@@ -95,12 +96,6 @@ def _phase_what(phase: str) -> str:
             "rollout": "KV cache + generation weights", "score": "frozen forward"}.get(phase, phase)
 
 
-def _opt(cfg, group: str, key: str):
-    """An optional layout key (rollout.tp, ppo.inference_tp): its value, or None when the group lacks it (SFT/RM)."""
-    section = getattr(cfg, group, None)
-    return getattr(section, key, None) if section is not None else None
-
-
 def _arch(path: Optional[str], default: ModelConfig) -> ModelConfig:
     """The architecture saved with a checkpoint (reward/value model), or `default` when unknown."""
     if path:
@@ -119,7 +114,6 @@ def _arch(path: Optional[str], default: ModelConfig) -> ModelConfig:
 def check_layouts(cfg, stage: str, world: int) -> None:
     """Every divisibility the stage needs (LayoutError / ConfigError, one line each)."""
     from megatron_rlhf.config import check_batch_layout
-    from megatron_rlhf.fields import ConfigError
 
     m, p = cfg.model, cfg.parallel
     validate_layout(p, world, num_layers=m.num_layers, num_attention_heads=m.num_attention_heads,
@@ -128,19 +122,9 @@ def check_layouts(cfg, stage: str, world: int) -> None:
     if stage != "ppo":
         check_batch_layout(cfg.train, dp)
         return
-    mbs = cfg.train.micro_batch_size
-    if cfg.ppo.minibatch_size % (dp * mbs):
-        raise ConfigError(f"ppo.minibatch_size={cfg.ppo.minibatch_size} is not divisible by data-parallel size * "
-                          f"train.micro_batch_size = {dp}*{mbs}: change one of them")
-    for key, tp in (("rollout.tp", _opt(cfg, "rollout", "tp")), ("ppo.inference_tp", _opt(cfg, "ppo", "inference_tp"))):
-        if tp is None:
-            continue
-        validate_layout(ParallelConfig(tp=tp), world, num_attention_heads=m.num_attention_heads,
-                        num_query_groups=m.num_query_groups)
-    gen_dp = world // (_opt(cfg, "rollout", "tp") or p.tp)  # generation layout: TP, PP=1 (issue 9)
-    if cfg.ppo.rollout_batch_size % gen_dp:
-        raise ConfigError(f"ppo.rollout_batch_size={cfg.ppo.rollout_batch_size} is not divisible by the generation "
-                          f"data-parallel size {gen_dp}: change it or rollout.tp")
+    from megatron_rlhf.ppo_config import check_ppo_layout
+
+    check_ppo_layout(cfg, dp)  # the PPO stage's own check at start: the plan accepts what the run accepts
 
 
 def plan_stage(cfg, stage: str, cluster: Cluster, suggest: bool = True) -> Plan:
@@ -183,7 +167,7 @@ def _plan_ppo(cfg, cluster, policy_arch, train_layout, trained_kw, act, notes) -
     seq = (cfg.data.max_prompt_len or cfg.data.max_seq_len) + ppo.max_new_tokens
     value_arch = _arch(ppo.value_load or ppo.reward_load, policy_arch)
     reward_arch = _arch(ppo.reward_load, policy_arch)
-    inf_tp = _opt(cfg, "ppo", "inference_tp")
+    inf_tp = ppo.inference_tp
     inf_layout = train_layout if inf_tp is None else Layout(inf_tp, 1)
     frozen_kw = dict(trained=False, dp=dp, distributed_optimizer=False, fp8=False)
     policy = model_memory("policy", policy_arch, train_layout, "lm", **trained_kw)
@@ -195,10 +179,10 @@ def _plan_ppo(cfg, cluster, policy_arch, train_layout, trained_kw, act, notes) -
     value.activations = activation_bytes(value_arch, train_layout, act(t.micro_batch_size, seq, nmb), "scalar")
     reference.activations = inference_bytes(policy_arch, inf_layout, t.micro_batch_size, seq, "lm")
     reward.activations = inference_bytes(reward_arch, inf_layout, t.micro_batch_size, seq, "scalar")
-    gen_tp = _opt(cfg, "rollout", "tp") or p.tp
+    gen_tp = generation_tp(cfg)
     gen_layout = Layout(gen_tp, 1)
     gen_dp = world // gen_tp
-    policy.kv_cache = kv_cache_bytes(policy_arch, gen_tp, ppo.rollout_batch_size // gen_dp, seq)
+    policy.kv_cache = kv_cache_bytes(policy_arch, gen_tp, -(-ppo.rollout_batch_size // gen_dp), seq)  # ceil: redistribute.py
     if gen_layout != Layout(p.tp, p.pp, p.vpp):
         policy.generation_weights = params_per_gpu(policy_arch, gen_layout) * dtype_bytes(policy_arch.params_dtype)
     offload = ppo.offload_frozen
@@ -211,7 +195,7 @@ def _plan_ppo(cfg, cluster, policy_arch, train_layout, trained_kw, act, notes) -
         "rollout": policy.kv_cache + policy.generation_weights,
         "score": frozen_weights + max(reference.activations, reward.activations),
     }
-    if gen_layout != Layout(p.tp, p.pp, p.vpp) and _opt(cfg, "rollout", "tp") is None:
+    if gen_layout != Layout(p.tp, p.pp, p.vpp) and cfg.rollout.tp is None:
         notes.append(f"training layout {train_layout} needs the hybrid engine's generation layout (rollout.tp)")
     return Plan("ppo", world, dp, [policy, value, reference, reward], phases, _usable(cluster), notes=notes)
 
@@ -230,7 +214,8 @@ def _candidates(cfg, stage: str, cluster: Cluster):
     if stage == "ppo" and not cfg.ppo.offload_frozen:
         yield "ppo.offload_frozen=true", {"ppo.offload_frozen": True}, None
     if p.tp * 2 <= cluster.gpus_per_node:
-        yield f"parallel.tp={p.tp * 2}", {"parallel.tp": p.tp * 2, "parallel.sequence_parallel": True}, None
+        sp = {} if stage == "ppo" else {"parallel.sequence_parallel": True}  # the PPO stage refuses SP (yet)
+        yield f"parallel.tp={p.tp * 2}", {"parallel.tp": p.tp * 2, **sp}, None
     yield f"parallel.pp={p.pp * 2}", {"parallel.pp": p.pp * 2}, None
     yield f"--nodes {cluster.nodes * 2}", {}, dataclasses.replace(cluster, nodes=cluster.nodes * 2)
 

@@ -98,7 +98,10 @@ def test_llama3_70b_recipe_by_hand():
     (["parallel.vpp=3"], LayoutError, "model.num_layers=80 is not divisible by pp*vpp = 4*3 = 12"),
     (["parallel.recompute=some"], LayoutError, "parallel.recompute='some' is not one of"),
     (["ppo.minibatch_size=66"], ConfigError, "ppo.minibatch_size=66 is not divisible by data-parallel size * train.micro_batch_size = 4*1"),
-    (["ppo.rollout_batch_size=520"], ConfigError, "ppo.rollout_batch_size=520 is not divisible by the generation data-parallel size 16"),
+    # The PPO stage's own start-up checks (ppo_config.check_ppo_layout): what the run refuses, the plan refuses.
+    (["ppo.rollout_batch_size=522"], ConfigError, "ppo.rollout_batch_size=522 prompts do not split over 4 data-parallel ranks"),
+    (["parallel.sequence_parallel=true"], ConfigError, "the PPO stage supports tp, pp (and vpp) and dp"),
+    (["rollout.tp=3"], ConfigError, "rollout.tp=3 does not divide the world size 128"),
 ])
 def test_bad_layouts_give_one_line(overrides, error, fragment):
     with pytest.raises(error) as e:
