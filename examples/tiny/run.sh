@@ -15,7 +15,7 @@ pairs() {  # OUT PROMPTS NUM [tiny-pairs options]
     --policy runs/tiny/sft/checkpoints --prompts "runs/tiny/data/$2.jsonl" --tokenizer runs/tiny/data/tokenizer \
     --num-pairs "$3" --out "runs/tiny/data/$1.jsonl" "${@:4}"
 }
-pairs sft_pairs prompts 8000
+pairs sft_pairs prompts 16000  # 8000 left a length-biased RM that PPO exploited (README: the RM recipe)
 pairs sft_pairs_eval prompts_eval 1000   # 500 eval prompts: two pairs each, fresh samples
 megatron-rlhf launch --nproc-per-node "$NPROC" rm examples/tiny/rm.yaml "$@"
 megatron-rlhf launch --nproc-per-node "$NPROC" ppo examples/tiny/ppo.yaml "$@"
