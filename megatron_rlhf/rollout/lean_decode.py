@@ -269,7 +269,7 @@ def _row_parallel(x, weight_bias, group):
 
 def _gather_last_dim(x: torch.Tensor, group) -> torch.Tensor:
     """[b, V_local] on each TP rank -> [b, tp * V_local] in rank order (vocab-parallel logits)."""
-    tp = group.size()
-    out = torch.empty((tp,) + tuple(x.shape), dtype=x.dtype, device=x.device)
+    tp, (b, v) = group.size(), x.shape
+    out = torch.empty((tp * b, v), dtype=x.dtype, device=x.device)  # ranks stacked on dim 0 (gloo wants that)
     dist.all_gather_into_tensor(out, x.contiguous(), group=group)
-    return out.permute(1, 0, 2).reshape(x.shape[0], tp * x.shape[1])
+    return out.view(tp, b, v).permute(1, 0, 2).reshape(b, tp * v)
