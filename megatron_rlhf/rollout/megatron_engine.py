@@ -72,7 +72,7 @@ def generate(
     vocab_size: the TRUE vocabulary size; logits for padded ids (>= vocab_size) are dropped.
     temperature, greedy: see `SamplingParams`.
     generator / seed: sampling RNG (a torch.Generator on the model's device, or a seed to make one);
-        neither: torch's default generator.
+        neither: torch's default generator. Each step draws one uniform per row from it (inverse CDF).
     uniforms [b, T] float in [0, 1): instead of an RNG, response token k of row i is drawn by inverse CDF
         with uniforms[i, k]. The draw then depends on the row alone, not on the batch it sits in, so
         a batch split over data-parallel ranks samples the same tokens as on one rank (PPO uses this).
@@ -269,7 +269,7 @@ def _pick(
 ) -> Tuple[torch.Tensor, torch.Tensor]:
     """logits [b, V_padded] -> (token [b] long, its log-prob [b] fp32 under softmax(logits / temperature)).
 
-    u [b] in [0, 1): inverse-CDF draws (one per row) instead of `torch.multinomial` with `generator`.
+    u [b] in [0, 1): the inverse-CDF draws (one per row); None: drawn from `generator`.
     With `tp_group` (from `_tp_group_to_agree`), TP rank 0's tokens are used on every rank.
     """
     if logits.shape[-1] < vocab_size:
@@ -280,12 +280,15 @@ def _pick(
     log_probs = torch.log_softmax(z, dim=-1)
     if sampling.greedy:
         token = z.argmax(dim=-1)
-    elif u is not None:
+    else:
+        if u is None:
+            # One uniform per row from `generator` (torch's default one if None), by inverse CDF: the
+            # distribution of torch.multinomial, which instead draws and takes the log of one exponential
+            # per vocabulary id (~20% of a decode step at 128 rows in benchmarks/rollout.py).
+            u = torch.rand(z.shape[0], generator=generator, device=z.device)
         cdf = log_probs.exp().cumsum(dim=-1)
         # right=True: the first id whose cdf exceeds the draw, so zero-probability ids are never picked.
         token = torch.searchsorted(cdf, (u * cdf[:, -1]).unsqueeze(-1), right=True).squeeze(-1).clamp(max=vocab_size - 1)
-    else:
-        token = torch.multinomial(log_probs.exp(), 1, generator=generator).squeeze(-1)
     if tp_group is not None:
         torch.distributed.broadcast(token, src=torch.distributed.get_global_rank(tp_group, 0), group=tp_group)
     return token, log_probs.gather(-1, token.unsqueeze(-1)).squeeze(-1)
