@@ -177,7 +177,7 @@ def _decode(gpt, prompt_ids, lengths, sampling: SamplingParams, eos_id, pad_id, 
 
         decoder = LeanDecoder(gpt, b, width)
     else:
-        decoder = _ModuleDecoder(gpt, b, width)
+        decoder = ModuleDecoder(gpt, b, width)
     logits = decoder.prefill(seq[:, :shortest], positions[:, :shortest])  # the common prefix
     for t in range(shortest, width):  # `logits` predicts slot t
         u = None if slot_uniforms is None else slot_uniforms[:, t]
@@ -216,7 +216,7 @@ def _responses(seq, slot_logprobs, lengths, ended, T: int, eos_id, pad_id: int) 
     }
 
 
-class _ModuleDecoder:
+class ModuleDecoder:
     """Megatron's own forward with a `StaticInferenceContext`: the `LeanDecoder` interface for any config.
 
     prefill(tokens, positions [b, n]) / step(tokens, positions [b, 1]) -> next-token logits [b, V_padded].

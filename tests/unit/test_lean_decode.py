@@ -11,7 +11,7 @@ from megatron_rlhf.models.build import build_model_chunk
 from megatron_rlhf.models.spec import ModelConfig, transformer_config
 from megatron_rlhf.parallel.layout import ParallelConfig
 from megatron_rlhf.rollout.lean_decode import LeanDecoder
-from megatron_rlhf.rollout.megatron_engine import _ModuleDecoder, decode_path, generate
+from megatron_rlhf.rollout.megatron_engine import ModuleDecoder, decode_path, generate
 
 VOCAB = 23
 BASE = dict(num_layers=2, hidden_size=32, ffn_hidden_size=48, num_attention_heads=4, num_query_groups=2,
@@ -53,7 +53,7 @@ def _logit_gaps(model, b=3, prefill=5, steps=6, seed=0):
     seq = torch.randint(0, VOCAB, (b, width), generator=g)
     pos = torch.arange(width).expand(b, -1)
     with torch.no_grad():
-        ref, lean = _ModuleDecoder(model, b, width), LeanDecoder(model, b, width)
+        ref, lean = ModuleDecoder(model, b, width), LeanDecoder(model, b, width)
         gaps = [(ref.prefill(seq[:, :prefill], pos[:, :prefill]) - lean.prefill(seq[:, :prefill], pos[:, :prefill]))
                 .abs().max().item()]
         for t in range(prefill, prefill + steps):

@@ -21,7 +21,7 @@ from megatron_rlhf.models.spec import ModelConfig
 from megatron_rlhf.parallel import init
 from megatron_rlhf.parallel.layout import ParallelConfig
 from megatron_rlhf.rollout.lean_decode import LeanDecoder
-from megatron_rlhf.rollout.megatron_engine import _ModuleDecoder, decode_path, generate
+from megatron_rlhf.rollout.megatron_engine import ModuleDecoder, decode_path, generate
 
 VOCAB, PAD, EOS = 61, 0, 7
 CFG = ModelConfig(num_layers=2, hidden_size=32, ffn_hidden_size=64, num_attention_heads=4, num_query_groups=2,
@@ -61,7 +61,7 @@ def lean_gap(model, tp, b=3, prefill=4, steps=5):
     seq = torch.randint(0, VOCAB, (b, width), generator=g)
     pos = torch.arange(width).expand(b, -1)
     model.eval()
-    ref, lean = _ModuleDecoder(model, b, width), LeanDecoder(model, b, width)
+    ref, lean = ModuleDecoder(model, b, width), LeanDecoder(model, b, width)
     gaps = [(ref.prefill(seq[:, :prefill], pos[:, :prefill]) - lean.prefill(seq[:, :prefill], pos[:, :prefill])).abs().max()]
     for t in range(prefill, prefill + steps):
         a, c = ref.step(seq[:, t:t + 1], pos[:, t:t + 1]), lean.step(seq[:, t:t + 1], pos[:, t:t + 1])
