@@ -8,7 +8,8 @@ FFN 352, vocab 512, fp32; 16 prompts of 8-16 random tokens; 64 new tokens (EOS n
 rollout (Megatron KV-cache sampler) -> score_and_recompute (RM, policy, reference, value forwards) ->
 estimate_advantages -> learn (policy and value optimizer steps through Megatron's schedule).
 
-overhead_fraction: the share of an iteration spent outside model forward passes (GPTModel.forward),
+overhead_fraction: the share of an iteration spent outside model forward passes (GPTModel.forward, and the
+sampler's lean forward `rollout/lean_decode.py` LeanDecoder.prefill / step),
 backward passes (torch.autograd.backward) and optimizer steps: sampling, data movement, the schedule,
 loss math and everything else of ours. length_scaling_exponent: the log-log slope of iteration time
 for 64 -> 128 -> 256 new tokens (1.0 = linear in the response length).
@@ -166,9 +167,13 @@ def main():
     from megatron.core.models.gpt import GPTModel
     from megatron.core.optimizer import optimizer as mopt
 
+    from megatron_rlhf.rollout.lean_decode import LeanDecoder
+
     model_cfg, parallel = setup()
     clock = Clock()
     clock.wrap(GPTModel, "forward", "forward")
+    for name in ("prefill", "step"):  # the sampler's forward when it does not go through GPTModel.forward
+        clock.wrap(LeanDecoder, name, "forward")
     clock.wrap(torch.autograd, "backward", "backward")
     for cls in (mopt.ChainedOptimizer, mopt.FP32Optimizer, mopt.MixedPrecisionOptimizer):
         clock.wrap(cls, "step", "optimizer")  # outermost call only: a chained step counts once

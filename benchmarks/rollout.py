@@ -24,9 +24,12 @@ megatron functions and swaps a few `torch.cuda.*` functions HF does not call on 
 checks that no `TorchFunctionMode` is active before timing HF, so HF runs exactly as it would
 without megatron_rlhf.
 
+Ours runs the lean decode forward (rollout/lean_decode.py; `decode_path` is printed); the same sampler
+through Megatron's own module forward (`generate(..., path="module")`) is timed beside it, for reference.
+
 Timing: one warm-up call per side and size (excluded), then `repeats` calls per side, alternating
-ours and HF so that background load hits both alike; the median wall time gives tokens/s =
-rows * new / time. Prints a side-by-side table, then ONE JSON line (ratio > 1: ours is faster).
+ours, ours through the module forward, and HF so that background load hits all alike; the median wall
+time gives tokens/s = rows * new / time. Prints a side-by-side table, then ONE JSON line (ratio > 1: ours is faster).
 On a machine shared with other jobs, 2 threads make both sides erratic (a thread waits for a busy
 core at every op): compare runs made under the same load, or use --threads 1.
 """
@@ -114,11 +117,11 @@ def max_logit_diff(model, hf, ids, mask) -> float:
     return worst
 
 
-def sample_ours(model, ids, mask, new: int, seed: int):
+def sample_ours(model, ids, mask, new: int, seed: int, path: str = "auto"):
     from megatron_rlhf.rollout.megatron_engine import generate
 
     out = generate(model, ids, prompt_mask=mask, max_new_tokens=new, eos_id=None, pad_id=PAD,
-                   vocab_size=REFERENCE.vocab_size, temperature=1.0, seed=seed)
+                   vocab_size=REFERENCE.vocab_size, temperature=1.0, seed=seed, path=path)
     assert bool(out["lengths"].eq(new).all()), "every row must generate exactly `new` tokens"
     return out
 
@@ -138,19 +141,24 @@ def no_torch_function_mode() -> bool:
 def measure(model, hf, rows: int, new: int, repeats: int) -> dict:
     ids, mask = prompts(rows, REFERENCE.vocab_size, seed=rows)
     sample_ours(model, ids, mask, new, seed=0)  # warm-up
+    sample_ours(model, ids, mask, new, seed=0, path="module")
     sample_hf(hf, ids, mask, new, seed=0)
-    ours, theirs = [], []
+    ours, module, theirs = [], [], []
     for r in range(repeats):
         t = time.perf_counter()
         sample_ours(model, ids, mask, new, seed=r + 1)
         ours.append(time.perf_counter() - t)
+        t = time.perf_counter()
+        sample_ours(model, ids, mask, new, seed=r + 1, path="module")
+        module.append(time.perf_counter() - t)
         assert no_torch_function_mode(), "a TorchFunctionMode is active: HF would not run as it does alone"
         t = time.perf_counter()
         sample_hf(hf, ids, mask, new, seed=r + 1)
         theirs.append(time.perf_counter() - t)
     tokens = rows * new
     ours_tps, hf_tps = tokens / statistics.median(ours), tokens / statistics.median(theirs)
-    return {"megatron_tokens_per_s": ours_tps, "hf_tokens_per_s": hf_tps, "ratio": ours_tps / hf_tps}
+    return {"megatron_tokens_per_s": ours_tps, "module_tokens_per_s": tokens / statistics.median(module),
+            "hf_tokens_per_s": hf_tps, "ratio": ours_tps / hf_tps}
 
 
 def main(argv=None) -> int:
@@ -184,14 +192,19 @@ def generation_part(args) -> dict:
     ids, mask = prompts(8, REFERENCE.vocab_size, seed=0)
     diff = max_logit_diff(model, hf, ids, mask)
 
-    results = {}
-    print(f"{'rows x new':>11} | {'megatron tok/s':>14} | {'HF generate tok/s':>17} | ratio")
+    from megatron_rlhf.rollout.megatron_engine import decode_path
+
+    results = {"decode_path": decode_path(model)}
+    print(f"megatron forward: {results['decode_path']}")
+    print(f"{'rows x new':>11} | {'megatron tok/s':>14} | {'(module fwd)':>12} | {'HF generate tok/s':>17} | ratio")
     for size in args.sizes.split(","):
         rows, new = map(int, size.split("x"))
         r = measure(model, hf, rows, new, args.repeats)
-        print(f"{size:>11} | {r['megatron_tokens_per_s']:14.0f} | {r['hf_tokens_per_s']:17.0f} | {r['ratio']:.2f}")
+        print(f"{size:>11} | {r['megatron_tokens_per_s']:14.0f} | {r['module_tokens_per_s']:12.0f} | "
+              f"{r['hf_tokens_per_s']:17.0f} | {r['ratio']:.2f}")
         results[f"tokens_per_s_ratio_vs_hf_{size}"] = round(r["ratio"], 3)
         results[f"megatron_tokens_per_s_{size}"] = round(r["megatron_tokens_per_s"], 1)
+        results[f"megatron_module_fwd_tokens_per_s_{size}"] = round(r["module_tokens_per_s"], 1)
         results[f"hf_tokens_per_s_{size}"] = round(r["hf_tokens_per_s"], 1)
     results.update(max_abs_logit_diff_vs_hf=diff, torch_threads=args.threads, repeats=args.repeats)
 

@@ -14,6 +14,11 @@ token once it is past it. This is exact on every attention backend (local or Tra
 because it needs no custom attention mask. The price is one single-token step per column between
 the shortest and the longest prompt.
 
+Forward path: `rollout/lean_decode.py`'s `LeanDecoder` (the same function over the model's own
+parameters, without Megatron's per-step module overhead) whenever it implements the model's config,
+Megatron's own forward through a `StaticInferenceContext` otherwise. `decode_path(model)` says which
+runs and why; `generate(..., path="module")` forces Megatron's forward.
+
 Sampling: logits are gathered over TP, cut to the true vocabulary (Megatron pads the vocab so TP
 shards are equal; padded ids are never sampled), cast to fp32, divided by the temperature. With
 TP > 1 the token picked by TP rank 0 is broadcast to the other TP ranks, so they decode the same
@@ -26,6 +31,7 @@ Limits: pipeline parallelism, context parallelism and sequence parallelism are n
 
 from __future__ import annotations
 
+import logging
 from typing import Dict, Iterable, List, Optional, Sequence, Tuple, Union
 
 import torch
@@ -33,6 +39,7 @@ import torch
 from megatron_rlhf.rollout.base import RolloutEngine, SamplingParams
 
 Model = Union[torch.nn.Module, Sequence[torch.nn.Module]]
+_log = logging.getLogger(__name__)
 
 
 def generate(
@@ -50,6 +57,7 @@ def generate(
     generator: Optional[torch.Generator] = None,
     seed: Optional[int] = None,
     uniforms: Optional[torch.Tensor] = None,
+    path: str = "auto",
 ) -> Dict[str, torch.Tensor]:
     """Sample up to `max_new_tokens` tokens after each prompt with the KV cache.
 
@@ -64,16 +72,19 @@ def generate(
     vocab_size: the TRUE vocabulary size; logits for padded ids (>= vocab_size) are dropped.
     temperature, greedy: see `SamplingParams`.
     generator / seed: sampling RNG (a torch.Generator on the model's device, or a seed to make one);
-        neither: torch's default generator.
+        neither: torch's default generator. Each step draws one uniform per row from it (inverse CDF).
     uniforms [b, T] float in [0, 1): instead of an RNG, response token k of row i is drawn by inverse CDF
         with uniforms[i, k]. The draw then depends on the row alone, not on the batch it sits in, so
         a batch split over data-parallel ranks samples the same tokens as on one rank (PPO uses this).
+    path: "auto" (the lean forward when it supports the model, see `decode_path`), "lean" (it, or a
+        ValueError saying why it cannot), "module" (Megatron's forward).
 
     Returns the dict described in `rollout/base.py`: response_ids, response_mask, logprobs [b, T],
     ended, lengths [b], with T = max_new_tokens.
     """
     sampling = SamplingParams(max_new_tokens, temperature, greedy)
     gpt = _single_chunk(model)
+    use_lean = _use_lean(gpt, path)
     device = _device(gpt)
     lengths = _prompt_lengths(prompt_ids, prompt_mask, prompt_lengths).to(device)
     _check_ids(prompt_ids, lengths, vocab_size, eos_id, pad_id)
@@ -88,7 +99,8 @@ def generate(
                 raise ValueError(f"uniforms {tuple(uniforms.shape)} must be [batch, max_new_tokens] = "
                                  f"({prompt_ids.shape[0]}, {max_new_tokens})")
             draws = None if uniforms is None else uniforms.to(device)
-            return _decode(gpt, prompt_ids.to(device), lengths, sampling, eos_id, pad_id, vocab_size, generator, draws)
+            return _decode(gpt, prompt_ids.to(device), lengths, sampling, eos_id, pad_id, vocab_size, generator, draws,
+                           lean=use_lean)
     finally:
         gpt.train(was_training)
 
@@ -131,11 +143,10 @@ class MegatronRolloutEngine(RolloutEngine):
 # --------------------------------------------------------------------------- decoding
 
 
-def _decode(gpt, prompt_ids, lengths, sampling: SamplingParams, eos_id, pad_id, vocab_size, generator, uniforms=None):
+def _decode(gpt, prompt_ids, lengths, sampling: SamplingParams, eos_id, pad_id, vocab_size, generator, uniforms=None,
+            lean: bool = False):
     """The decoding loop. Per step: one forward, one pick, and a handful of column writes; nothing
     waits on the device except the early stop check with an EOS id (after the last prompt ends)."""
-    from megatron.core.inference.contexts import StaticInferenceContext
-
     b, T = prompt_ids.shape[0], sampling.max_new_tokens
     device = prompt_ids.device
     host_lengths = lengths.cpu()
@@ -161,9 +172,13 @@ def _decode(gpt, prompt_ids, lengths, sampling: SamplingParams, eos_id, pad_id, 
     last_slot = lengths + (T - 1)  # a row is complete once this slot is sampled
     tp_group = _tp_group_to_agree(gpt)
 
-    ctx = StaticInferenceContext(max_batch_size=b, max_sequence_length=width - 1)
-    logits = _forward(gpt, seq[:, :shortest], positions[:, :shortest], ctx)  # prefill the common prefix
-    ctx.enable_decode_mode()
+    if lean:
+        from megatron_rlhf.rollout.lean_decode import LeanDecoder
+
+        decoder = LeanDecoder(gpt, b, width)
+    else:
+        decoder = ModuleDecoder(gpt, b, width)
+    logits = decoder.prefill(seq[:, :shortest], positions[:, :shortest])  # the common prefix
     for t in range(shortest, width):  # `logits` predicts slot t
         u = None if slot_uniforms is None else slot_uniforms[:, t]
         token, token_logprob = _pick(logits, vocab_size, sampling, generator, u, tp_group)
@@ -178,7 +193,7 @@ def _decode(gpt, prompt_ids, lengths, sampling: SamplingParams, eos_id, pad_id, 
                 break
         if t == width - 1:
             break
-        logits = _forward(gpt, seq[:, t : t + 1], positions[:, t : t + 1], ctx)
+        logits = decoder.step(seq[:, t : t + 1], positions[:, t : t + 1])
     return _responses(seq, slot_logprobs, lengths, ended, T, eos_id, pad_id)
 
 
@@ -201,16 +216,51 @@ def _responses(seq, slot_logprobs, lengths, ended, T: int, eos_id, pad_id: int) 
     }
 
 
-def _forward(gpt, tokens: torch.Tensor, positions: torch.Tensor, ctx) -> torch.Tensor:
-    """tokens [b, n] for the next n cache slots (positions [b, n]) -> next-token logits [b, V_padded].
+class ModuleDecoder:
+    """Megatron's own forward with a `StaticInferenceContext`: the `LeanDecoder` interface for any config.
 
-    Prefill (first call) uses the model's causal mask; later steps attend to the whole cache
-    (Megatron switches the mask off once sequence_len_offset > 0). RoPE takes its angles from the
-    cache slot, which is the true position here; position_ids are passed for embeddings that use them.
+    prefill(tokens, positions [b, n]) / step(tokens, positions [b, 1]) -> next-token logits [b, V_padded].
+    Prefill uses the model's causal mask; later steps attend to the whole cache (Megatron switches the
+    mask off once sequence_len_offset > 0). RoPE takes its angles from the cache slot, which is the
+    true position here; position_ids are passed for embeddings that use them.
     """
-    logits = gpt(tokens, positions, None, inference_context=ctx, runtime_gather_output=True)
-    ctx.increment_sequence_len_offset(tokens.shape[1])
-    return logits[:, -1, :]  # static contexts materialise only the last position anyway
+
+    def __init__(self, gpt, batch: int, width: int):
+        from megatron.core.inference.contexts import StaticInferenceContext
+
+        self.gpt = gpt
+        self.ctx = StaticInferenceContext(max_batch_size=batch, max_sequence_length=width - 1)
+
+    def prefill(self, tokens: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        logits = self.step(tokens, positions)
+        self.ctx.enable_decode_mode()
+        return logits
+
+    def step(self, tokens: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        logits = self.gpt(tokens, positions, None, inference_context=self.ctx, runtime_gather_output=True)
+        self.ctx.increment_sequence_len_offset(tokens.shape[1])
+        return logits[:, -1, :]  # static contexts materialise only the last position anyway
+
+
+def decode_path(model: Model) -> str:
+    """Which forward `generate` runs for `model` by default: "lean", or "module: <why not lean>"."""
+    from megatron_rlhf.rollout.lean_decode import unsupported_reason
+
+    reason = unsupported_reason(_single_chunk(model))
+    return "lean" if reason is None else f"module: {reason}"
+
+
+def _use_lean(gpt, path: str) -> bool:
+    """The `path` argument of `generate` -> whether the lean forward runs (logged at debug level)."""
+    from megatron_rlhf.rollout.lean_decode import unsupported_reason
+
+    if path not in ("auto", "lean", "module"):
+        raise ValueError(f"path={path!r}: use 'auto', 'lean' or 'module'")
+    reason = "forced by path='module'" if path == "module" else unsupported_reason(gpt)
+    if reason is not None and path == "lean":
+        raise ValueError(f"the lean decode forward does not support this model ({reason}): use path='auto' or 'module'")
+    _log.debug("megatron sampler: %s", "lean forward" if reason is None else f"module forward ({reason})")
+    return reason is None
 
 
 def _pick(
@@ -219,7 +269,7 @@ def _pick(
 ) -> Tuple[torch.Tensor, torch.Tensor]:
     """logits [b, V_padded] -> (token [b] long, its log-prob [b] fp32 under softmax(logits / temperature)).
 
-    u [b] in [0, 1): inverse-CDF draws (one per row) instead of `torch.multinomial` with `generator`.
+    u [b] in [0, 1): the inverse-CDF draws (one per row); None: drawn from `generator`.
     With `tp_group` (from `_tp_group_to_agree`), TP rank 0's tokens are used on every rank.
     """
     if logits.shape[-1] < vocab_size:
@@ -230,12 +280,15 @@ def _pick(
     log_probs = torch.log_softmax(z, dim=-1)
     if sampling.greedy:
         token = z.argmax(dim=-1)
-    elif u is not None:
+    else:
+        if u is None:
+            # One uniform per row from `generator` (torch's default one if None), by inverse CDF: the
+            # distribution of torch.multinomial, which instead draws and takes the log of one exponential
+            # per vocabulary id (~20% of a decode step at 128 rows in benchmarks/rollout.py).
+            u = torch.rand(z.shape[0], generator=generator, device=z.device)
         cdf = log_probs.exp().cumsum(dim=-1)
         # right=True: the first id whose cdf exceeds the draw, so zero-probability ids are never picked.
         token = torch.searchsorted(cdf, (u * cdf[:, -1]).unsqueeze(-1), right=True).squeeze(-1).clamp(max=vocab_size - 1)
-    else:
-        token = torch.multinomial(log_probs.exp(), 1, generator=generator).squeeze(-1)
     if tp_group is not None:
         torch.distributed.broadcast(token, src=torch.distributed.get_global_rank(tp_group, 0), group=tp_group)
     return token, log_probs.gather(-1, token.unsqueeze(-1)).squeeze(-1)

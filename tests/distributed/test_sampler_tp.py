@@ -1,4 +1,5 @@
-"""The megatron sampler at TP=2 (2 gloo ranks) against TP=1 with the same weights."""
+"""The megatron sampler at TP=2 (2 gloo ranks) against TP=1 with the same weights, through the lean
+decode forward (the default) and through Megatron's own forward (path="module")."""
 
 import torch
 
@@ -13,8 +14,11 @@ def test_tp2_generates_the_same_tokens_as_tp1(tmp_path):
     ranks = read_json(out)
     ref = ranks[0]["tp1"]
     for rank, d in enumerate(ranks):
+        # The lean forward ran at both sizes, and its logits are Megatron's at every step.
+        assert d["path"] == {"tp1": "lean", "tp2": "lean"}, (rank, d["path"])
+        assert max(d["lean_gap"].values()) <= 1e-5, (rank, d["lean_gap"])
         for case, r1 in ref.items():
-            for which in ("tp1", "tp2"):
+            for which in ("tp1", "tp2", "tp2_module"):
                 r = d[which][case]
                 # Same tokens, masks and EOS flags at both TP sizes and on both ranks.
                 for key in ("response_ids", "response_mask", "ended", "lengths"):

@@ -3,8 +3,10 @@
 Usage: torchrun --nproc_per_node 2 sampler_tp.py OUT.json CKPT_DIR
 Phase 1 (tp=1, i.e. dp=2): build a tiny LM, generate (greedy and seeded sampling) on a fixed
 left-padded batch, save the weights with dist_checkpointing. Phase 2 (tp=2): build the model again,
-load the weights resharded, generate again. The vocabulary (61 ids, padded to 62) leaves one padded
-id, in rank 1's shard at TP=2. Rank 0 writes both ranks' results.
+load the weights resharded, generate again, and again through Megatron's own forward (path="module";
+the default is the lean forward of rollout/lean_decode.py). At both sizes the lean forward's logits are
+compared with Megatron's at prefill and every decode step. The vocabulary (61 ids, padded to 62, 64 at
+TP=2) leaves padded ids, in rank 1's shard at TP=2. Rank 0 writes both ranks' results.
 """
 
 import json
@@ -18,7 +20,8 @@ from megatron_rlhf.models.build import build_model
 from megatron_rlhf.models.spec import ModelConfig
 from megatron_rlhf.parallel import init
 from megatron_rlhf.parallel.layout import ParallelConfig
-from megatron_rlhf.rollout.megatron_engine import generate
+from megatron_rlhf.rollout.lean_decode import LeanDecoder
+from megatron_rlhf.rollout.megatron_engine import ModuleDecoder, decode_path, generate
 
 VOCAB, PAD, EOS = 61, 0, 7
 CFG = ModelConfig(num_layers=2, hidden_size=32, ffn_hidden_size=64, num_attention_heads=4, num_query_groups=2,
@@ -40,14 +43,31 @@ def prompts():
     return ids, torch.tensor(lengths)
 
 
-def run_cases(model):
+def run_cases(model, path="auto"):
     ids, lengths = prompts()
     out = {}
     for name, kw in CASES.items():
         r = generate(model, ids, prompt_lengths=lengths, max_new_tokens=12, eos_id=EOS, pad_id=PAD,
-                     vocab_size=VOCAB, **kw)
+                     vocab_size=VOCAB, path=path, **kw)
         out[name] = {k: v.tolist() for k, v in r.items()}
     return out
+
+
+@torch.no_grad()
+def lean_gap(model, tp, b=3, prefill=4, steps=5):
+    """max |lean - Megatron| next-token logits [b, V_padded] over the prefill and each decode step."""
+    g = torch.Generator().manual_seed(1)
+    width = prefill + steps + 1
+    seq = torch.randint(0, VOCAB, (b, width), generator=g)
+    pos = torch.arange(width).expand(b, -1)
+    model.eval()
+    ref, lean = ModuleDecoder(model, b, width), LeanDecoder(model, b, width)
+    gaps = [(ref.prefill(seq[:, :prefill], pos[:, :prefill]) - lean.prefill(seq[:, :prefill], pos[:, :prefill])).abs().max()]
+    for t in range(prefill, prefill + steps):
+        a, c = ref.step(seq[:, t:t + 1], pos[:, t:t + 1]), lean.step(seq[:, t:t + 1], pos[:, t:t + 1])
+        assert a.shape == c.shape == (b, CFG.padded_vocab_size(tp)), (a.shape, c.shape)  # gathered over TP
+        gaps.append((a - c).abs().max())
+    return max(float(x) for x in gaps)
 
 
 def phase(tp, ckpt_dir, mode):
@@ -62,7 +82,10 @@ def phase(tp, ckpt_dir, mode):
         dist_checkpointing.save(state, ckpt_dir)
     else:
         model.load_state_dict(dist_checkpointing.load(state, ckpt_dir))
-    return run_cases(model)
+    out = {"cases": run_cases(model), "lean_gap": lean_gap(model, tp), "path": decode_path(model)}
+    if mode == "load":  # TP=2: the same cases through Megatron's forward
+        out["module_cases"] = run_cases(model, path="module")
+    return out
 
 
 def main(out_path, ckpt_dir):
@@ -70,7 +93,8 @@ def main(out_path, ckpt_dir):
     tp1 = phase(1, ckpt_dir, "save")
     dist.barrier()
     tp2 = phase(2, ckpt_dir, "load")
-    result = {"tp1": tp1, "tp2": tp2}
+    result = {"tp1": tp1["cases"], "tp2": tp2["cases"], "tp2_module": tp2["module_cases"],
+              "lean_gap": {"tp1": tp1["lean_gap"], "tp2": tp2["lean_gap"]}, "path": {"tp1": tp1["path"], "tp2": tp2["path"]}}
     gathered = [None] * dist.get_world_size()
     dist.all_gather_object(gathered, result)
     if dist.get_rank() == 0:
