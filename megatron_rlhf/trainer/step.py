@@ -110,9 +110,17 @@ def _pp_size() -> int:
 
 
 def grads_finite(chunks) -> bool:
-    """True when every gradient of every rank is finite (one MAX all-reduce over the world, one sync)."""
+    """True when every gradient of every rank is finite (one MAX all-reduce over the world, one sync).
+
+    A Megatron DDP chunk is checked through its flat gradient buffers (one op per buffer, not per
+    parameter: per-parameter checks were ~3% of a PPO iteration on the benchmark's small model)."""
     flags = []
     for chunk in chunks:
+        buffers = getattr(chunk, "buffers", None)  # Megatron DDP: every gradient lives in a few flat buffers
+        if isinstance(buffers, list):  # (a plain nn.Module's `buffers` is a method)
+            extra = getattr(chunk, "expert_parallel_buffers", None) or []
+            flags.extend(torch.isfinite(b.grad_data).all() for b in [*buffers, *extra])
+            continue
         for p in chunk.parameters():
             g = getattr(p, "main_grad", None)
             g = p.grad if g is None else g
