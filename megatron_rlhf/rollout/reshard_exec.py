@@ -4,7 +4,7 @@ megatron-core 0.16.1's `execute_reshard_plan` + `GlooCopyService` receive every 
 copy it into a second fresh buffer, then copy that into the parameter: three copies and two new
 allocations (whose pages fault in on first touch) per received byte. Here a slice is received straight
 into the destination parameter when its view is contiguous (rows of a TP split: most bytes), into one
-buffer otherwise (columns), and local slices are copied once. Same plan, same pairing (remote ops
+buffer otherwise (columns), and local slices are copied once, while the remote ones are in flight. Same plan, same pairing (remote ops
 posted in plan order, as megatron's service posts them; local ones matched by task id), same result:
 tests/distributed/test_hybrid.py checks the weights to the bit after swaps between TP, PP and VPP layouts.
 
@@ -40,6 +40,7 @@ def execute_plan_gloo(plan, src_module: torch.nn.Module, dst_module: torch.nn.Mo
         else:
             ops.append(dist.P2POp(dist.isend, view.contiguous(), op.peer_rank, group=group))
     writebacks: List[Tuple[torch.Tensor, torch.Tensor]] = []
+    copies: List[Tuple[torch.Tensor, torch.Tensor]] = []  # (destination view, local source view)
     for op in plan.recv_ops:
         p = dst.get(op.param_name)
         if p is None:
@@ -48,7 +49,7 @@ def execute_plan_gloo(plan, src_module: torch.nn.Module, dst_module: torch.nn.Mo
         if op.peer_rank == rank:
             if op.task_id not in local:
                 raise RuntimeError(f"reshard plan: local receive of {op.param_name} (task {op.task_id}) has no send")
-            view.copy_(local.pop(op.task_id))
+            copies.append((view, local.pop(op.task_id)))
             continue
         buffer = view if view.is_contiguous() else torch.empty(view.shape, dtype=view.dtype)
         ops.append(dist.P2POp(dist.irecv, buffer, op.peer_rank, group=group))
@@ -56,8 +57,11 @@ def execute_plan_gloo(plan, src_module: torch.nn.Module, dst_module: torch.nn.Mo
             writebacks.append((view, buffer))
     if local:
         raise RuntimeError(f"reshard plan: {len(local)} local sends without a receive on rank {rank}")
-    if ops:
-        for request in dist.batch_isend_irecv(ops):
-            request.wait()
+    # Remote transfers first: gloo moves them on its own threads while this thread does the local copies.
+    requests = dist.batch_isend_irecv(ops) if ops else []
+    for view, source in copies:
+        view.copy_(source)
+    for request in requests:
+        request.wait()
     for view, buffer in writebacks:
         view.copy_(buffer)
