@@ -20,7 +20,7 @@ def _args(d: dict):
 @pytest.fixture(scope="session")
 def base(tmp_path_factory):
     """The tiny pipeline at reduced size: data, an SFT policy (250 steps), pairs of its own samples labelled by
-    the true score, and a calibrated RM (96 steps) trained on them."""
+    the true score, and a calibrated RM (192 steps: 4 epochs; with 2 PPO exploited it) trained on them."""
     d = tmp_path_factory.mktemp("ppo_base")
     sort_digits.save_tokenizer(str(d / "tokenizer"))
     rng = random.Random(0)
@@ -40,7 +40,7 @@ def base(tmp_path_factory):
              nproc=2, timeout=600)
     torchrun(CLI, "rm", *_args({**common, "model.load": d / "sft" / "checkpoints", "data.train_path": d / "pairs.jsonl",
                                 "train.lr": 1e-3, "train.min_lr": 1e-4, "train.global_batch_size": 64,
-                                "train.micro_batch_size": 32, "train.epochs": 2, "logging.run_dir": d / "rm",
+                                "train.micro_batch_size": 32, "train.epochs": 4, "logging.run_dir": d / "rm",
                                 "calibration.prompts_path": d / "prompts.jsonl", "calibration.num_prompts": 128,
                                 "calibration.max_new_tokens": 11}), nproc=2, timeout=600)
     return d

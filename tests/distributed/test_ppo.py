@@ -47,13 +47,16 @@ def learning_metrics(row):
 
 def test_ppo_raises_the_true_reward_and_iteration_one_is_exact(base, tmp_path):
     run = tmp_path / "ppo"
-    torchrun(CLI, *ppo_args(base, run, **{"ppo.iterations": 14, "ppo.eval_interval": 7, "checkpoint.save_interval": 0}),
-             nproc=2, timeout=900)
+    # All 128 held-out prompts: with 64 the sampled true reward moved by +-0.03 from sampling noise alone.
+    torchrun(CLI, *ppo_args(base, run, **{"ppo.iterations": 14, "ppo.eval_interval": 7, "checkpoint.save_interval": 0,
+                                          "ppo.eval_prompts": 128, "train.lr": 2e-4}), nproc=2, timeout=900)
     summary = json.loads((run / "summary.json").read_text())
     for key in ("true_reward_sft", "true_reward_ppo", "rm_reward_sft", "rm_reward_ppo", "kl_ppo"):
         assert summary[key] is not None, key
     assert summary["rm_reward_ppo"] > summary["rm_reward_sft"] + 0.2, summary
-    assert summary["true_reward_ppo"] > summary["true_reward_sft"] + 0.03, summary
+    # Measured (this fixture, seed 1): sampled 0.683 -> 0.745, greedy 0.761 -> 0.903.
+    assert summary["true_reward_ppo"] > summary["true_reward_sft"] + 0.02, summary
+    assert summary["greedy_true_reward_ppo"] > summary["greedy_true_reward_sft"] + 0.05, summary
     assert 0 < summary["kl_ppo"] < 10, summary
     first = rows(run)[1]
     # Before any update the policy IS the reference: KL exactly 0, PPO ratio exactly 1. The sampler's
