@@ -110,24 +110,29 @@ def _pp_size() -> int:
 
 
 def grads_finite(chunks) -> bool:
-    """True when every gradient of every rank is finite (one MAX all-reduce over the world, one sync).
+    """True when every gradient of every rank is finite (one MAX all-reduce over the world).
 
-    A Megatron DDP chunk is checked through its flat gradient buffers (one op per buffer, not per
-    parameter: per-parameter checks were ~3% of a PPO iteration on the benchmark's small model)."""
-    flags = []
+    A Megatron DDP chunk is checked through its flat gradient buffers, a plain module through each .grad.
+    Fast path: a sum is non-finite whenever one of its elements is (NaN, +-inf), and summing is ~40x cheaper
+    than `isfinite().all()` over every element (which was ~3% of a PPO iteration on the benchmark's small
+    model). A sum of finite fp32 values can still overflow, so only then are the elements checked one by one.
+    """
+    grads = []
     for chunk in chunks:
         buffers = getattr(chunk, "buffers", None)  # Megatron DDP: every gradient lives in a few flat buffers
         if isinstance(buffers, list):  # (a plain nn.Module's `buffers` is a method)
             extra = getattr(chunk, "expert_parallel_buffers", None) or []
-            flags.extend(torch.isfinite(b.grad_data).all() for b in [*buffers, *extra])
+            grads.extend(b.grad_data for b in [*buffers, *extra])
             continue
         for p in chunk.parameters():
             g = getattr(p, "main_grad", None)
             g = p.grad if g is None else g
             if g is not None:
-                flags.append(torch.isfinite(g).all())
-    device = flags[0].device if flags else torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    bad = (~torch.stack(flags).all()).float().reshape(1) if flags else torch.zeros(1, device=device)
+                grads.append(g)
+    device = grads[0].device if grads else torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    bad = torch.zeros(1, device=device)
+    if grads and not bool(torch.isfinite(torch.stack([g.sum() for g in grads])).all()):
+        bad = (~torch.stack([torch.isfinite(g).all() for g in grads]).all()).float().reshape(1)
     if torch.distributed.is_initialized():
         torch.distributed.all_reduce(bad, op=torch.distributed.ReduceOp.MAX)
     return not bool(bad.item())

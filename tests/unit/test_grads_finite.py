@@ -38,3 +38,10 @@ def test_plain_module_gradients(world):
     assert grads_finite([model])
     params[-1].grad.view(-1)[0] = float("nan")
     assert not grads_finite([model])
+
+
+def test_finite_gradients_whose_sum_overflows_are_finite(world):
+    model = _model()
+    for p in model.parameters():
+        p.grad = torch.full_like(p, 3e38)  # each finite; their fp32 sum is inf
+    assert grads_finite([model])
