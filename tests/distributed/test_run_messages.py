@@ -30,7 +30,9 @@ def test_log_interval_finished_rerun_and_quiet_stderr(data, tmp_path):  # noqa: 
     assert [r["step"] for r in rows if "train/loss" in r] == [2, 4, 5]  # every 2nd step and the last
     assert not NOISE.search(first.stderr), first.stderr[-3000:]
 
+    latest = (run / "checkpoints" / "latest").read_text()
     again = _launch(args)  # resumes from the final checkpoint: loads it, trains nothing
     assert "at step 5: the run is already finished (5 steps), nothing to train" in again.stdout, again.stdout
     assert len(read_jsonl(str(run / "metrics.jsonl"))) == len(rows)
+    assert (run / "checkpoints" / "latest").read_text() == latest  # and keeps its checkpoint
     assert not NOISE.search(again.stderr), again.stderr[-3000:]
