@@ -163,6 +163,8 @@ class WeightSwap:
         # destroyed process group).
         self.service = NCCLCopyService() if torch.cuda.is_available() else GlooCopyService()
         self.plans_built = 0  # for tests and logs
+        # CPU: the shared-memory transport of the cached plan (rollout/shm_exchange.py; None: gloo P2P).
+        self.exchange, self.exchange_plan = None, None
 
     @torch.no_grad()
     def __call__(self) -> None:
@@ -185,8 +187,13 @@ class WeightSwap:
         plan = getattr(self.target, PLAN_ATTR)
         if torch.cuda.is_available():
             execute_reshard_plan(plan, self.source, self.target, service=self.service)
-        else:
-            execute_plan_gloo(plan, self.source, self.target, self.service.gloo_pg)
+            return
+        if self.exchange_plan is not plan:  # a new plan on every rank at once (stale is all-reduced)
+            from megatron_rlhf.rollout.shm_exchange import SharedMemoryExchange
+
+            self.exchange = SharedMemoryExchange.build(plan, self.source, self.target, self.service.gloo_pg)
+            self.exchange_plan = plan
+        execute_plan_gloo(plan, self.source, self.target, self.service.gloo_pg, exchange=self.exchange)
 
 
 def _device() -> torch.device:
