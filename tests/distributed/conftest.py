@@ -1,12 +1,11 @@
 """Fixtures shared by the distributed test modules."""
 
-import json
-import random
 
 import pytest
 
 from megatron_rlhf.tasks import sort_digits
 from tests.distributed.launch import CLI, STARTED_JOBS, torchrun
+from tests.distributed.stages import task_dir
 
 MODEL = {"model.num_layers": 2, "model.hidden_size": 64, "model.ffn_hidden_size": 128, "model.num_attention_heads": 4,
          "model.num_query_groups": 2, "model.vocab_size": 17, "model.max_position_embeddings": 32}
@@ -21,10 +20,7 @@ def _args(d: dict):
 def base(tmp_path_factory):
     """The tiny pipeline at reduced size: data, an SFT policy (250 steps), pairs of its own samples labelled by
     the true score, and a calibrated RM (192 steps: 4 epochs; with 2 PPO exploited it) trained on them."""
-    d = tmp_path_factory.mktemp("ppo_base")
-    sort_digits.save_tokenizer(str(d / "tokenizer"))
-    rng = random.Random(0)
-    write = lambda name, rows: (d / name).write_text("".join(json.dumps(r) + "\n" for r in rows))  # noqa: E731
+    d, write, rng = task_dir(tmp_path_factory, "ppo_base")
     write("sft.jsonl", sort_digits.demonstrations(2048, rng))
     write("prompts.jsonl", sort_digits.prompts(1024, rng))
     write("prompts_eval.jsonl", sort_digits.prompts(128, rng))
@@ -50,10 +46,7 @@ def base(tmp_path_factory):
 @pytest.fixture(scope="session")
 def data(tmp_path_factory):
     """Tokenizer, demonstrations and preference pairs with a known rule (chosen: even digits, rejected: odd)."""
-    d = tmp_path_factory.mktemp("tiny_data")
-    sort_digits.save_tokenizer(str(d / "tokenizer"))
-    rng = random.Random(0)
-    write = lambda name, rows: (d / name).write_text("".join(json.dumps(r) + "\n" for r in rows))
+    d, write, rng = task_dir(tmp_path_factory, "tiny_data")
     write("sft.jsonl", sort_digits.demonstrations(256, rng))
     write("sft_eval.jsonl", sort_digits.demonstrations(64, rng))
 

@@ -1,9 +1,25 @@
-"""Stages 1-2 at test size: the config overrides for the `data` fixture (conftest.py) and readers of a run."""
+"""Stages 1-2 at test size: the task directory fixtures start from, the config overrides for the `data`
+fixture (conftest.py) and readers of a run."""
 
+import json
 import os
+import random
 
 from megatron_rlhf.metrics import read_jsonl
+from megatron_rlhf.tasks import sort_digits
 from tests.distributed.launch import CLI, torchrun
+
+
+def task_dir(tmp_path_factory, name: str):
+    """A fresh directory holding the tiny task's tokenizer -> (directory, write(file name, rows) as jsonl,
+    random.Random(0) for the rows)."""
+    d = tmp_path_factory.mktemp(name)
+    sort_digits.save_tokenizer(str(d / "tokenizer"))
+
+    def write(file_name: str, rows) -> None:
+        (d / file_name).write_text("".join(json.dumps(r) + "\n" for r in rows))
+
+    return d, write, random.Random(0)
 
 
 def overrides(data, run_dir, kind="sft", **extra):

@@ -5,12 +5,12 @@ seed gives the same file, and that labels follow the true score when the two sco
 """
 
 import json
-import random
 
 import pytest
 
 from megatron_rlhf.tasks import sort_digits
 from tests.distributed.launch import CLI, torchrun
+from tests.distributed.stages import task_dir
 
 NUM_PROMPTS, NUM_PAIRS, MAX_NEW = 32, 40, 8  # 40 > 32: pairs 32..39 reuse prompts 0..7
 
@@ -22,10 +22,7 @@ def _jsonl(path):
 @pytest.fixture(scope="module")
 def policy(tmp_path_factory):
     """Tokenizer, prompts and a tiny SFT checkpoint (a few steps: enough to emit EOS sometimes)."""
-    d = tmp_path_factory.mktemp("tiny_pairs")
-    sort_digits.save_tokenizer(str(d / "tokenizer"))
-    rng = random.Random(0)
-    write = lambda name, rows: (d / name).write_text("".join(json.dumps(r) + "\n" for r in rows))
+    d, write, rng = task_dir(tmp_path_factory, "tiny_pairs")
     write("sft.jsonl", sort_digits.demonstrations(256, rng))
     write("prompts.jsonl", sort_digits.prompts(NUM_PROMPTS, rng))
     sft = {
