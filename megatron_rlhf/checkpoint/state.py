@@ -55,11 +55,16 @@ def step_dir_name(step: int) -> str:
     return f"{_PREFIX}{step:08d}"
 
 
-def _model_state(chunks, prefix: str, exclude: str | None = None) -> dict:
-    """Sharded state of one model. Tensor keys carry `prefix` ("policy.") so models share a checkpoint."""
+def _model_state(chunks, prefix: str, exclude: str | None = None, dp_group=None) -> dict:
+    """Sharded state of one model. Tensor keys carry `prefix` ("policy.") so models share a checkpoint.
+
+    `dp_group`: the model's data-parallel group when it was built with process groups of its own
+    (rollout/hybrid.py's layouts); replica ids then come from it instead of parallel_state's groups,
+    which belong to the training layout. Its TP group the model's layers already carry."""
+    metadata = None if dp_group is None else {"dp_cp_group": dp_group}
     state = {}
     for i, c in enumerate(chunks):
-        sd = _unwrap(c).sharded_state_dict(prefix=prefix)
+        sd = _unwrap(c).sharded_state_dict(prefix=prefix, metadata=metadata)
         state[f"chunk{i}"] = {k: v for k, v in sd.items() if exclude is None or exclude not in k}
     return state
 
@@ -242,7 +247,8 @@ HEAD_OF = {"policy": "lm", "reference": "lm", "reward": "scalar", "value": "scal
 CONVERTED_META = "megatron_rlhf_meta.json"  # written by tools/convert_hf_to_megatron.py
 
 
-def load_model_weights(path: str | os.PathLike, chunks, source_name: str, head: str, skip_head: bool = False) -> None:
+def load_model_weights(path: str | os.PathLike, chunks, source_name: str, head: str, skip_head: bool = False,
+                       dp_group=None) -> None:
     """Initialise `chunks` (a model with `head` "lm"|"scalar") from a checkpoint, without optimizer state.
 
     `path` is a training checkpoint (root or step directory; the model saved as `source_name` is
@@ -250,6 +256,8 @@ def load_model_weights(path: str | os.PathLike, chunks, source_name: str, head: 
     When the source has another head (a reward model started from an SFT policy or a causal LM),
     the output layer is left as built: a fresh scalar head. Any TP/PP layout loads any checkpoint.
     `skip_head=True` keeps the built (fresh) output layer even when the source has the same head.
+    `dp_group`: for a model built in a layout of its own (see `_model_state`), which then loads straight
+    into that layout.
     """
     import json
 
@@ -265,7 +273,7 @@ def load_model_weights(path: str | os.PathLike, chunks, source_name: str, head: 
     else:
         prefix, source_head = f"{source_name}.", HEAD_OF.get(source_name, "lm")
     skip_head = skip_head or ("scalar" if source_head in ("scalar", "score") else "lm") != head
-    template = _model_state(chunks, prefix, exclude="output_layer" if skip_head else None)
+    template = _model_state(chunks, prefix, exclude="output_layer" if skip_head else None, dp_group=dp_group)
     try:
         loaded = dist_checkpointing.load({"m": template}, str(step_dir))
     except _load_failures() as e:

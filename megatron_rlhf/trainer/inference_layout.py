@@ -2,7 +2,7 @@
 PP = 1, DP = world / inference_tp), apart from the training layout.
 
 The models are built with their own process groups (rollout/hybrid.py's `tp_only_layout`) and filled
-from their distributed checkpoints, resharded at load (`build_inference_model` says how).
+from their distributed checkpoints, resharded at load: no training-layout copy is ever built.
 Scoring moves rows as generation does (rollout/redistribute.py): the rollouts of all training DP
 shares are gathered in training DP order, split over inference DP ranks, run forward (no pipeline
 schedule: PP = 1), and each rank takes back the results for its own share. So `score_and_recompute`
@@ -78,21 +78,14 @@ def _concat_rows(parts: List[Dict[str, torch.Tensor]]) -> Dict[str, torch.Tensor
 
 def build_inference_model(cfg, model_cfg, layout: Layout, head: str, load: str, source_name: str,
                           temperature: float) -> InferenceModel:
-    """A frozen model in `layout` with the weights of checkpoint `load` (collective).
-
-    The checkpoint is read in the training layout and resharded into `layout` by the weight swap of
-    rollout/hybrid.py, then the training-layout copy is dropped. (A direct dist_checkpointing load into
-    a model of another layout fails in megatron-core 0.16.1: the sharded state dict takes its replica
-    ids from parallel_state, i.e. from the training layout, and the load's access check refuses them.)"""
+    """A frozen model in `layout` with the weights of checkpoint `load` (collective), read straight into
+    that layout: dist_checkpointing reshards at load, given the layout's own DP group for replica ids.
+    The vocabulary keeps the training TP's padding (`build_in_layout`), so its global shape is the one
+    the training layout loads."""
     from megatron_rlhf.checkpoint import state as ckpt
-    from megatron_rlhf.models.build import build_model
-    from megatron_rlhf.rollout.hybrid import WeightSwap
 
-    loaded = build_model(model_cfg, cfg.parallel, head=head)
-    ckpt.load_model_weights(load, loaded, source_name, head)
     model = build_in_layout(model_cfg, cfg.parallel.tp, layout, head=head)
-    WeightSwap(loaded, model)()
-    del loaded
+    ckpt.load_model_weights(load, [model], source_name, head, dp_group=layout.pg_collection.dp)
     for p in model.parameters():
         p.requires_grad_(False)
     return InferenceModel(model, layout, head, model_cfg.vocab_size, temperature)
