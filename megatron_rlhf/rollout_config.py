@@ -3,6 +3,8 @@
     rollout.engine    megatron (the KV-cache sampler, CPU and GPU) or vllm (GPU only)
     rollout.tp        generation layout: TP=tp, PP=1, DP=world/tp; null = the training TP
     rollout.bucket_mb size of the weight buckets streamed to vLLM
+    rollout.release_training_weights  GPU: the policy's training weights wait in host memory while a
+                      generation copy of them (another layout, vLLM) decodes
 
 The generation layout is independent of the training one (rollout/hybrid.py): a policy trained at
 TP=1 x PP=2 generates at TP=1 x DP=2, with its weights resharded before every rollout.
@@ -25,6 +27,9 @@ class RolloutSection:
                      choices=("megatron", "vllm"))
     tp: Optional[int] = _f(None, "generation tensor-parallel size (PP=1, DP=world/tp); null = parallel.tp")
     bucket_mb: int = _f(256, "vLLM engine: MiB of HF tensors per weight-update bucket")
+    release_training_weights: bool = _f(
+        True, "GPU, when generation uses a copy of the weights (rollout.tp != training layout, or vLLM): the "
+        "training weights wait in pinned host memory during decoding (no-op on CPU or in the training layout)")
 
 
 def generation_tp(cfg) -> int:

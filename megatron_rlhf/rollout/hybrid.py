@@ -18,6 +18,9 @@ Two traps of megatron-core 0.16.1's resharding are handled here:
   layouts (names, shapes, TP attributes and process-group ranks on both sides) and drops it when the
   key changes; the decision is all-reduced, because building a plan is collective.
 
+Memory: once the copy holds the weights, the training weights themselves wait in host memory while
+the copy decodes (`rollout.release_training_weights`, rollout/offload.py's `released`; GPU only).
+
 Data: `generate` takes this rank's training share of prompts (as the RolloutEngine contract says)
 and returns the responses to exactly those prompts; in between, the global batch is decoded split
 over generation DP ranks (rollout/redistribute.py: no duplicate, no loss, training DP order).
@@ -252,7 +255,10 @@ class HybridRolloutEngine(RolloutEngine):
     shares_policy_weights = False
 
     def __init__(self, train_chunks: Sequence[torch.nn.Module], model_cfg, train_tp: int, tp: int, *,
-                 eos_id: Optional[int], pad_id: int, vocab_size: int):
+                 eos_id: Optional[int], pad_id: int, vocab_size: int, release_device: Optional[str] = "auto"):
+        """release_device: where the training weights are released from during decoding (offload.released:
+        "auto" = CUDA if present; None keeps them; "cpu" runs the moves on CPU, for tests)."""
+        self.train_chunks, self.release_device = list(train_chunks), release_device
         self.layout = tp_only_layout(tp)
         self.model = build_in_layout(model_cfg, train_tp, self.layout)
         self.swap = WeightSwap(train_chunks, self.model)
@@ -260,6 +266,8 @@ class HybridRolloutEngine(RolloutEngine):
 
     def generate(self, prompt_ids, prompt_mask, sampling: SamplingParams, generator=None, uniforms=None):
         """This rank's training share of prompts [b, s] -> responses to them (base.py's dict, [b, T])."""
+        from megatron_rlhf.rollout.offload import released
+
         self.swap()  # the weights of the latest optimizer step
 
         def decode(ids, mask, draws):
@@ -268,7 +276,8 @@ class HybridRolloutEngine(RolloutEngine):
                             temperature=sampling.temperature, greedy=sampling.greedy, generator=generator,
                             uniforms=draws)
 
-        return generate_in_layout(self.layout, decode, prompt_ids, prompt_mask, uniforms, self.pad_id)
+        with released(self.train_chunks, self.release_device):  # the copy decodes; training's weights wait
+            return generate_in_layout(self.layout, decode, prompt_ids, prompt_mask, uniforms, self.pad_id)
 
     def update_weights(self, named_tensors) -> None:
         raise NotImplementedError("the hybrid engine pulls the policy's weights itself before each generate "
@@ -287,6 +296,7 @@ def make_rollout_engine(cfg, model_cfg, train_chunks: List[torch.nn.Module], tok
 
     kw = dict(eos_id=tokenizer.eos_token_id, pad_id=tokenizer.pad_token_id, vocab_size=model_cfg.vocab_size)
     tp = generation_tp(cfg)
+    release = "auto" if cfg.rollout.release_training_weights else None
     if cfg.rollout.engine == "vllm":
         import os
 
@@ -294,9 +304,9 @@ def make_rollout_engine(cfg, model_cfg, train_chunks: List[torch.nn.Module], tok
 
         return VLLMRolloutEngine(train_chunks, model_cfg, tp, os.path.join(cfg.logging.run_dir, "vllm_config"),
                                  eos_id=kw["eos_id"], pad_id=kw["pad_id"], bucket_mb=cfg.rollout.bucket_mb,
-                                 seed=cfg.train.seed)
+                                 seed=cfg.train.seed, release_device=release)
     if same_layout(cfg.parallel, tp):
         return MegatronRolloutEngine(train_chunks, **kw)
-    return HybridRolloutEngine(train_chunks, model_cfg, cfg.parallel.tp, tp, **kw)
+    return HybridRolloutEngine(train_chunks, model_cfg, cfg.parallel.tp, tp, **kw, release_device=release)
 
 

@@ -16,6 +16,10 @@ trick Megatron's `offload_grad_buffers` uses); coming back resizes it and copies
 replaces `p.data` and so cuts an fp32 distributed optimizer's shard off the model parameters), the
 round trip restores every byte and every view, so training continues bit-identically.
 
+`released(chunks)` does the same for a model's weights: an engine that decodes with a copy of its own
+(rollout/hybrid.py's generation layout, vLLM) releases the policy's training weights once the copy holds
+them, and gets them back, byte for byte, before training needs them.
+
 On CPU there is no device memory to free: by default the moves are no-ops (`device_type=None`). Tests
 pass `device_type="cpu"` to run the same copy / free / restore path on CPU tensors.
 
@@ -67,6 +71,13 @@ def training_state_tensors(trainable) -> List[torch.Tensor]:
         for state in inner.state.values():
             out.extend(v for v in state.values() if isinstance(v, torch.Tensor))
     return [t for t in out if t.untyped_storage().data_ptr() not in model_storages]
+
+
+def weight_tensors(chunks) -> List[torch.Tensor]:
+    """The parameters of model `chunks` (DDP-wrapped or not); views of one DDP buffer share its storage."""
+    from megatron.core.utils import unwrap_model
+
+    return [p for c in chunks for p in unwrap_model(c).parameters()]
 
 
 def _whole(storage: torch.UntypedStorage) -> torch.Tensor:
@@ -121,19 +132,28 @@ class HostOffload:
 
 
 @contextlib.contextmanager
-def offloaded(trainables: Iterable, device_type: Optional[str] = "auto") -> Iterator[HostOffload]:
-    """Gradient buffers and optimizer state of `trainables` in host memory inside the block.
+def host_offloaded(tensors: Iterable[torch.Tensor], device_type: Optional[str] = "auto") -> Iterator[HostOffload]:
+    """The storages of `tensors` in host memory inside the block, restored byte for byte after it.
 
-    device_type: "auto" -> "cuda" with CUDA, else None (a no-op); "cpu" exercises the moves on CPU (tests).
-    None entries are skipped (a critic-free run has no value model)."""
-    kind = _device_type() if device_type == "auto" else device_type
-    tensors = [t for tr in trainables if tr is not None for t in training_state_tensors(tr)]
-    moves = HostOffload(tensors, kind)
+    device_type: "auto" -> "cuda" with CUDA, else None (a no-op); "cpu" exercises the moves on CPU (tests)."""
+    moves = HostOffload(tensors, _device_type() if device_type == "auto" else device_type)
     moves.offload()
     try:
         yield moves
     finally:
         moves.reload()
+
+
+def offloaded(trainables: Iterable, device_type: Optional[str] = "auto"):
+    """Gradient buffers and optimizer state of `trainables` in host memory inside the block (`host_offloaded`).
+    None entries are skipped (a critic-free run has no value model)."""
+    return host_offloaded([t for tr in trainables if tr is not None for t in training_state_tensors(tr)], device_type)
+
+
+def released(chunks, device_type: Optional[str] = "auto"):
+    """The weights of model `chunks` in host memory inside the block (`host_offloaded`). Any use of them
+    inside it fails loudly (their storages are empty), so a decode that still read them could not pass."""
+    return host_offloaded(weight_tensors(chunks), device_type)
 
 
 def _reset_peak() -> None:

@@ -9,7 +9,8 @@ Written against vLLM's documented offline API and NOT yet run: the session that 
 - each `generate`: wake the weights -> `load_weights` from the policy streamed as full HF tensors
   (`models/hf_mapping.iter_hf_weights`, a collective over the training layout) in buckets of
   `rollout.bucket_mb` -> wake the KV cache -> generate this generation-DP rank's rows
-  (rollout/hybrid.py's `generate_in_layout`) -> sleep (level 1);
+  (rollout/hybrid.py's `generate_in_layout`) -> sleep (level 1); from the weight update to the sleep the
+  training weights wait in host memory (`rollout.release_training_weights`);
 - sampling mapped one to one: temperature (0 for greedy), no top-p/top-k, stop at EOS, `max_tokens`,
   the log-prob of each sampled token after temperature (`logprobs_mode="processed_logprobs"`).
   vLLM draws from its own RNG: per-row `uniforms` cannot be used (tokens then depend on the split).
@@ -75,7 +76,8 @@ class VLLMRolloutEngine(RolloutEngine):
     shares_policy_weights = False
 
     def __init__(self, train_chunks, model_cfg, tp: int, config_dir: str, *, eos_id: Optional[int], pad_id: int,
-                 bucket_mb: int, seed: int, gpu_memory_utilization: float = 0.3):
+                 bucket_mb: int, seed: int, gpu_memory_utilization: float = 0.3,
+                 release_device: Optional[str] = "auto"):
         require_vllm()
         import torch.distributed as dist
         from vllm import LLM
@@ -85,7 +87,7 @@ class VLLMRolloutEngine(RolloutEngine):
 
         world, rank = dist.get_world_size(), dist.get_rank()
         self.layout = Layout(tp, world // tp, rank % tp, rank // tp, None)
-        self.train_chunks, self.model_cfg = train_chunks, model_cfg
+        self.train_chunks, self.model_cfg, self.release_device = train_chunks, model_cfg, release_device
         self.eos_id, self.pad_id, self.bucket_bytes = eos_id, pad_id, bucket_mb << 20
         if rank == 0:
             os.makedirs(config_dir, exist_ok=True)
@@ -108,15 +110,19 @@ class VLLMRolloutEngine(RolloutEngine):
     def generate(self, prompt_ids, prompt_mask, sampling: SamplingParams, generator=None, uniforms=None):
         from megatron_rlhf.models.hf_mapping import iter_hf_weights
         from megatron_rlhf.rollout.hybrid import generate_in_layout
+        from megatron_rlhf.rollout.offload import released
 
         self.llm.wake_up(tags=["weights"])
         self.update_weights(iter_hf_weights(self.train_chunks, self.model_cfg, "lm"))
-        self.llm.wake_up(tags=["kv_cache"])
-        try:
-            return generate_in_layout(self.layout, lambda ids, mask, _draws: self._decode(ids, mask, sampling),
-                                      prompt_ids, prompt_mask, None, self.pad_id)
-        finally:
-            self.llm.sleep(level=1)
+        # vLLM holds the weights now: training's wait in host memory (rollout.release_training_weights)
+        # before the KV cache comes back, so the two never occupy the device together.
+        with released(self.train_chunks, self.release_device):
+            self.llm.wake_up(tags=["kv_cache"])
+            try:
+                return generate_in_layout(self.layout, lambda ids, mask, _draws: self._decode(ids, mask, sampling),
+                                          prompt_ids, prompt_mask, None, self.pad_id)
+            finally:
+                self.llm.sleep(level=1)
 
     def _decode(self, ids: torch.Tensor, mask: torch.Tensor, sampling: SamplingParams) -> Dict[str, torch.Tensor]:
         from vllm import SamplingParams as VLLMSampling

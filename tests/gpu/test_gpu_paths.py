@@ -67,3 +67,24 @@ def test_te_spec_forward_backward(world_of_one, fp8):
     loss = model(ids, pos, None, labels=ids).float().mean()
     loss.backward()
     assert torch.isfinite(loss)
+
+
+@cuda
+def test_released_weights_leave_the_gpu_and_come_back_byte_for_byte(world_of_one):
+    """rollout.release_training_weights: pinned host copies, device memory given back, every byte restored."""
+    from megatron_rlhf.models.build import build_model
+    from megatron_rlhf.parallel import init
+    from megatron_rlhf.parallel.layout import ParallelConfig
+    from megatron_rlhf.rollout.offload import released
+
+    init.initialize(ParallelConfig(), seed=0)
+    model = build_model(tiny(num_layers=4, hidden_size=512, ffn_hidden_size=1024), ParallelConfig())[0].cuda()
+    before = [p.detach().clone() for p in model.parameters()]
+    weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+    torch.cuda.synchronize()
+    held = torch.cuda.memory_allocated()
+    with released([model]) as moves:
+        assert moves.nbytes == weight_bytes
+        assert held - torch.cuda.memory_allocated() >= 0.9 * weight_bytes
+    assert torch.cuda.memory_allocated() == held
+    assert all(torch.equal(a, p) for a, p in zip(before, model.parameters()))

@@ -9,7 +9,7 @@ from megatron_rlhf.config import TrainConfig
 from megatron_rlhf.models.build import build_model
 from megatron_rlhf.models.spec import ModelConfig
 from megatron_rlhf.parallel.layout import ParallelConfig
-from megatron_rlhf.rollout.offload import PhaseMemory, offloaded, training_state_tensors
+from megatron_rlhf.rollout.offload import PhaseMemory, offloaded, released, training_state_tensors
 from megatron_rlhf.trainer.optim import build_optimizer, wrap_ddp
 from megatron_rlhf.trainer.run import Trainable
 from megatron_rlhf.trainer.step import make_forward_step, train_step
@@ -68,12 +68,31 @@ def test_round_trip_frees_the_state_and_training_continues_bit_identically(world
     assert not all(torch.equal(x, y) for x, y in zip(before, _state(a, model_a)))  # the step moved something
 
 
+@pytest.mark.parametrize("dtype,distributed_optimizer", [("float32", False), ("bfloat16", True)])
+def test_released_weights_are_unusable_inside_and_training_continues_bit_identically(world, dtype, distributed_optimizer):
+    """What a separate generation copy (hybrid layout, vLLM) allows: the training weights leave the device."""
+    a, model_a = _trainable(dtype, distributed_optimizer)
+    b, model_b = _trainable(dtype, distributed_optimizer, weights=model_a.state_dict())
+    _step(a, 1), _step(b, 1)
+    before = _state(a, model_a)
+    ids = torch.zeros(1, 4, dtype=torch.long)
+    with offloaded([a], device_type="cpu"), released(a.chunks, device_type="cpu") as moves:
+        assert moves.nbytes >= sum(p.numel() * p.element_size() for p in model_a.parameters())
+        assert all(p.untyped_storage().nbytes() == 0 for p in model_a.parameters())
+        with pytest.raises(RuntimeError):  # nothing can read them by mistake
+            model_a(ids, torch.arange(4).unsqueeze(0), None)
+    assert all(torch.equal(x, y) for x, y in zip(before, _state(a, model_a)))
+    first, second = _step(a, 2), _step(b, 2)
+    assert first["grad_norm"] > 0 and first == second
+    assert all(torch.equal(x, y) for x, y in zip(_state(a, model_a), _state(b, model_b)))
+
+
 def test_on_cpu_the_default_moves_nothing(world):
     a, model = _trainable("float32", False)
     _step(a, 1)
-    with offloaded([a, None]) as moves:  # None: a critic-free run has no value model
-        assert moves.nbytes == 0
-        assert all(x.untyped_storage().nbytes() > 0 for x in training_state_tensors(a))
+    with offloaded([a, None]) as moves, released(a.chunks) as weights:  # None: a critic-free run has no value model
+        assert moves.nbytes == weights.nbytes == 0
+        assert all(x.untyped_storage().nbytes() > 0 for x in training_state_tensors(a) + list(model.parameters()))
 
 
 class _Recorder:

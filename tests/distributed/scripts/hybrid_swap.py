@@ -10,7 +10,8 @@ Phase pp2 (training PP=2): the SAME generation model as phase tp2 as the target 
     plan cached by megatron for the TP=2 source must be dropped (stale-plan trap).
 Phase vpp (training PP=2 x VPP=2, DDP + Adam): generation at TP=1; then train 2 steps with a swap and
     a generation between them, and 2 steps without: the weights must agree to the bit.
-Every phase: the generation model's full weights equal the training model's (gathered over TP and
+Every engine releases the training weights while it decodes (rollout.release_training_weights, run on
+CPU here). Every phase: the generation model's full weights equal the training model's (gathered over TP and
 PP) and the responses equal the reference rows (tokens exactly, logprobs to 1e-5). Rank 0 writes
 both ranks' results.
 """
@@ -124,7 +125,10 @@ def tp_group():
 
 
 def engine_for(chunks, parallel, tp):
-    return HybridRolloutEngine(chunks, CFG, parallel.tp, tp, eos_id=EOS, pad_id=PAD, vocab_size=VOCAB)
+    # release_device="cpu": the training weights really leave (empty storages) while the copy decodes,
+    # so a decode that read them would fail, and every later check sees them restored.
+    return HybridRolloutEngine(chunks, CFG, parallel.tp, tp, eos_id=EOS, pad_id=PAD, vocab_size=VOCAB,
+                               release_device="cpu")
 
 
 def lm_batch(seed):
