@@ -151,7 +151,9 @@ def layout_key(module: torch.nn.Module) -> tuple:
 class WeightSwap:
     """Copy the policy's training chunks into a model of another layout (collective, all ranks)."""
 
-    def __init__(self, train_chunks: Sequence[torch.nn.Module], target: torch.nn.Module):
+    def __init__(self, train_chunks: Sequence[torch.nn.Module], target: torch.nn.Module, transport: str = "auto"):
+        """transport (CPU): "auto" = shared memory when every rank is on one host and /dev/shm has room,
+        else gloo P2P; "gloo" = gloo P2P always (what several hosts get; tests use it to run that path)."""
         from megatron.core.resharding.copy_services.gloo_copy_service import GlooCopyService
         from megatron.core.resharding.copy_services.nccl_copy_service import NCCLCopyService
         from megatron.core.utils import unwrap_model
@@ -168,6 +170,9 @@ class WeightSwap:
         self.plans_built = 0  # for tests and logs
         # CPU: the shared-memory transport of the cached plan (rollout/shm_exchange.py; None: gloo P2P).
         self.exchange, self.exchange_plan = None, None
+        if transport not in ("auto", "gloo"):
+            raise ValueError(f"WeightSwap transport={transport!r}: use 'auto' or 'gloo'")
+        self.transport = transport
 
     @torch.no_grad()
     def __call__(self) -> None:
@@ -191,7 +196,7 @@ class WeightSwap:
         if torch.cuda.is_available():
             execute_reshard_plan(plan, self.source, self.target, service=self.service)
             return
-        if self.exchange_plan is not plan:  # a new plan on every rank at once (stale is all-reduced)
+        if self.transport == "auto" and self.exchange_plan is not plan:  # a new plan on all ranks (stale is all-reduced)
             from megatron_rlhf.rollout.shm_exchange import SharedMemoryExchange
 
             self.exchange = SharedMemoryExchange.build(plan, self.source, self.target, self.service.gloo_pg)

@@ -26,53 +26,64 @@ def execute_plan_gloo(plan, src_module: torch.nn.Module, dst_module: torch.nn.Mo
     """`plan` (megatron.core.resharding.ReshardPlan) for this rank: copy `src_module`'s slices into
     `dst_module`'s parameters over `group` (gloo, the whole world; CPU tensors). With `exchange`
     (rollout/shm_exchange.py, built for this plan) the remote slices are written straight into the
-    receivers' shared-memory weights instead."""
-    rank = dist.get_rank()
+    receivers' shared-memory weights instead of travelling as gloo P2P ops."""
     src = dict(src_module.named_parameters())
     dst = dict(dst_module.named_parameters())
-    local: Dict[int, torch.Tensor] = {}
-    ops: List[dist.P2POp] = []
-    for op in plan.send_ops:
-        p = src.get(op.param_name)
-        if p is None:
-            continue
-        view = p.data[op.my_slice]
-        if op.peer_rank == rank:
-            if op.task_id is None:
-                raise RuntimeError(f"reshard plan: local send of {op.param_name} has no task id")
-            local[op.task_id] = view
-        elif exchange is None:
-            ops.append(dist.P2POp(dist.isend, view.contiguous(), op.peer_rank, group=group))
-    writebacks: List[Tuple[torch.Tensor, torch.Tensor]] = []
-    copies: List[Tuple[torch.Tensor, torch.Tensor]] = []  # (destination view, local source view)
-    for op in plan.recv_ops:
-        p = dst.get(op.param_name)
-        if p is None:
-            continue
-        view = p.data[op.my_slice]
-        if op.peer_rank == rank:
-            if op.task_id not in local:
-                raise RuntimeError(f"reshard plan: local receive of {op.param_name} (task {op.task_id}) has no send")
-            copies.append((view, local.pop(op.task_id)))
-            continue
-        if exchange is not None:
-            continue
-        buffer = view if view.is_contiguous() else torch.empty(view.shape, dtype=view.dtype)
-        ops.append(dist.P2POp(dist.irecv, buffer, op.peer_rank, group=group))
-        if buffer is not view:
-            writebacks.append((view, buffer))
-    if local:
-        raise RuntimeError(f"reshard plan: {len(local)} local sends without a receive on rank {rank}")
+    copies = _local_copies(plan, src, dst)
     if exchange is not None:
         exchange.begin()
         exchange.write(src)
+        for view, source in copies:
+            view.copy_(source)
+        exchange.end()
+        return
+    ops, writebacks = _remote_ops(plan, src, dst, group)
     # Remote transfers first: gloo moves them on its own threads while this thread does the local copies.
     requests = dist.batch_isend_irecv(ops) if ops else []
     for view, source in copies:
         view.copy_(source)
-    if exchange is not None:
-        exchange.end()
     for request in requests:
         request.wait()
     for view, buffer in writebacks:
         view.copy_(buffer)
+
+
+def _local_copies(plan, src: Dict[str, torch.Tensor], dst: Dict[str, torch.Tensor]) -> List[Tuple[torch.Tensor, torch.Tensor]]:
+    """(destination view, source view) for the slices this rank sends to itself, matched by task id."""
+    rank = dist.get_rank()
+    local: Dict[int, torch.Tensor] = {}
+    for op in plan.send_ops:
+        if op.peer_rank == rank and op.param_name in src:
+            if op.task_id is None:
+                raise RuntimeError(f"reshard plan: local send of {op.param_name} has no task id")
+            local[op.task_id] = src[op.param_name].data[op.my_slice]
+    copies = []
+    for op in plan.recv_ops:
+        if op.peer_rank == rank and op.param_name in dst:
+            if op.task_id not in local:
+                raise RuntimeError(f"reshard plan: local receive of {op.param_name} (task {op.task_id}) has no send")
+            copies.append((dst[op.param_name].data[op.my_slice], local.pop(op.task_id)))
+    if local:
+        raise RuntimeError(f"reshard plan: {len(local)} local sends without a receive on rank {rank}")
+    return copies
+
+
+def _remote_ops(plan, src: Dict[str, torch.Tensor], dst: Dict[str, torch.Tensor], group):
+    """gloo P2P ops for the slices exchanged with other ranks, in plan order (the pairing megatron's service
+    relies on), and the (destination view, buffer) pairs to write back after them. A slice is received
+    straight into the parameter when its view is contiguous, into a buffer otherwise."""
+    rank = dist.get_rank()
+    ops: List[dist.P2POp] = []
+    for op in plan.send_ops:
+        if op.peer_rank != rank and op.param_name in src:
+            ops.append(dist.P2POp(dist.isend, src[op.param_name].data[op.my_slice].contiguous(), op.peer_rank,
+                                  group=group))
+    writebacks: List[Tuple[torch.Tensor, torch.Tensor]] = []
+    for op in plan.recv_ops:
+        if op.peer_rank != rank and op.param_name in dst:
+            view = dst[op.param_name].data[op.my_slice]
+            buffer = view if view.is_contiguous() else torch.empty(view.shape, dtype=view.dtype)
+            ops.append(dist.P2POp(dist.irecv, buffer, op.peer_rank, group=group))
+            if buffer is not view:
+                writebacks.append((view, buffer))
+    return ops, writebacks

@@ -7,7 +7,8 @@ Phase tp1 (training TP=1 x DP=2): a tiny LM is built and saved (dist_checkpointi
 Phase tp2 (training TP=2): weights loaded resharded by dist_checkpointing; generation at TP=1 x DP=2;
     reference and reward loaded at inference TP=1; ppo.reference_mode=swap's host reference at TP=2.
 Phase pp2 (training PP=2): the SAME generation model as phase tp2 as the target of a new swap: the
-    plan cached by megatron for the TP=2 source must be dropped (stale-plan trap).
+    plan cached by megatron for the TP=2 source must be dropped (stale-plan trap). This swap uses gloo
+    P2P (the transport of ranks on several hosts); the others use the shared-memory one.
 Phase vpp (training PP=2 x VPP=2, DDP + Adam): generation at TP=1; then train 2 steps with a swap and
     a generation between them, and 2 steps without: the weights must agree to the bit.
 Every engine releases the training weights while it decodes (rollout.release_training_weights, run on
@@ -245,7 +246,7 @@ def main(out_path, ckpt_dir):
     old_plan = getattr(gen_model, "_cached_reshard_plan")
     parallel = ParallelConfig(pp=2)
     chunks = load(parallel, ckpt_dir)
-    engine.swap = WeightSwap(chunks, gen_model)
+    engine.swap = WeightSwap(chunks, gen_model, transport="gloo")  # the several-hosts path: gloo P2P
     result["pp2_to_tp1"] = {"out": hybrid_generate(engine, slice(None)), "same": same_weights(gen_model, gen_tp, chunks),
                             "plan_rebuilt": getattr(gen_model, "_cached_reshard_plan") is not old_plan}
     # Phase vpp: PP=2 x VPP=2 -> TP=1, and training continues bit-identically after a swap.
