@@ -12,7 +12,10 @@ overhead_fraction: the share of an iteration spent outside model forward passes 
 sampler's lean forward `rollout/lean_decode.py` LeanDecoder.prefill / step),
 backward passes (torch.autograd.backward) and optimizer steps: sampling, data movement, the schedule,
 loss math and everything else of ours. length_scaling_exponent: the log-log slope of iteration time
-for 64 -> 128 -> 256 new tokens (1.0 = linear in the response length).
+for 64 -> 128 -> 256 new tokens (1.0 = linear in the response length). kernel_floor_s_per_iter: the
+seconds one profiled iteration spends inside GEMM and attention kernels alone (torch.profiler self time of
+aten::mm/addmm/bmm and the SDPA kernels): work TRL does too, so `s_per_iter_trl / kernel_floor` bounds
+the speed-up any implementation of the same computation on this machine could reach.
 
 The reference library, side by side: when TRL's PPO is importable (`pip install "trl==1.12.0"`; see
 `trl_reference.py`), the same shape runs through its PPOTrainer in this process after ours, and
@@ -146,7 +149,20 @@ def random_prompts(seed: int = 0):
     return ids, mask
 
 
-def measure(model_cfg, parallel, max_new_tokens: int, repeats: int, clock: Clock = None):
+KERNELS = ("aten::mm", "aten::addmm", "aten::bmm", "aten::_scaled_dot_product_flash_attention_for_cpu",
+           "aten::_scaled_dot_product_flash_attention_for_cpu_backward")
+
+
+def kernel_seconds(run) -> float:
+    """Seconds of `run()` spent inside GEMM and attention kernels (torch.profiler self CPU time)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        run()
+    return sum(e.self_cpu_time_total for e in prof.key_averages() if e.key in KERNELS) / 1e6
+
+
+def measure(model_cfg, parallel, max_new_tokens: int, repeats: int, clock: Clock = None, floor: dict = None):
     from megatron_rlhf.rollout.megatron_engine import MegatronRolloutEngine
 
     cfg, policy, value, models = build(model_cfg, parallel, max_new_tokens)
@@ -160,6 +176,11 @@ def measure(model_cfg, parallel, max_new_tokens: int, repeats: int, clock: Clock
     for it in range(1, repeats + 1):
         times.append(iteration(cfg, engine, policy, value, models, prompts, it, timer))
         print(f"  {max_new_tokens} new tokens, iteration {it}: {times[-1]:.3f} s", flush=True)
+    if floor is not None:  # after the timed iterations (the profiler must not slow those), off the clock
+        kept = dict(clock.seconds) if clock is not None else None
+        floor["s"] = kernel_seconds(lambda: iteration(cfg, engine, policy, value, models, prompts, repeats + 1, {}))
+        if kept is not None:
+            clock.seconds.update(kept)
     return statistics.median(times), {k: v / repeats for k, v in timer.items()}, sum(times)
 
 
@@ -177,7 +198,8 @@ def main():
     clock.wrap(torch.autograd, "backward", "backward")
     for cls in (mopt.ChainedOptimizer, mopt.FP32Optimizer, mopt.MixedPrecisionOptimizer):
         clock.wrap(cls, "step", "optimizer")  # outermost call only: a chained step counts once
-    s_per_iter, phases, total = measure(model_cfg, parallel, 64, repeats=5, clock=clock)
+    floor = {}
+    s_per_iter, phases, total = measure(model_cfg, parallel, 64, repeats=5, clock=clock, floor=floor)
     model_seconds = {k: v / 5 for k, v in clock.seconds.items()}  # per iteration, before the scaling runs add more
     overhead = 1.0 - sum(clock.seconds.values()) / total
     scaling = {64: s_per_iter}
@@ -188,14 +210,14 @@ def main():
     slope = sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / sum((x - mx) ** 2 for x in xs)
     print(f"reference shape: {s_per_iter:.3f} s/iteration; phases {', '.join(f'{k} {v:.3f}s' for k, v in phases.items())}")
     print(f"inside model forward/backward/optimizer: {', '.join(f'{k} {v:.3f}s' for k, v in model_seconds.items())} "
-          f"per iteration; overhead fraction {overhead:.3f}")
+          f"per iteration; overhead fraction {overhead:.3f}; GEMM + attention kernels alone {floor['s']:.3f}s")
     trl_s = None
     if trl_reference.available():
         ids, mask = random_prompts()
         rows = [ids[i][mask[i]].tolist() for i in range(PROMPTS)]
         trl_s, trl_times = trl_reference.seconds_per_iteration(SHAPE, PROMPTS, MINIBATCHES, EPOCHS, 64, 5, rows)
         print(f"TRL PPOTrainer, same shape: {trl_s:.3f} s/iteration ({', '.join(f'{t:.3f}' for t in trl_times)}); "
-              f"ours is {trl_s / s_per_iter:.2f}x faster")
+              f"ours is {trl_s / s_per_iter:.2f}x faster; the kernels alone bound it at {trl_s / floor['s']:.2f}x")
     else:
         print("TRL's PPO is not importable here (pip install 'trl==1.12.0'): no side-by-side reference figure")
     print(f"new tokens -> s/iteration: {', '.join(f'{n}: {t:.3f}' for n, t in scaling.items())}; exponent {slope:.3f}")
@@ -208,6 +230,8 @@ def main():
         "length_scaling_exponent": round(slope, 4),
         "s_per_iter_trl": None if trl_s is None else round(trl_s, 4),
         "speedup_vs_trl": None if trl_s is None else round(trl_s / s_per_iter, 3),
+        "kernel_floor_s_per_iter": round(floor["s"], 4),
+        "speedup_bound_vs_trl": None if trl_s is None else round(trl_s / floor["s"], 3),
         "torch_threads": torch.get_num_threads(),
     }))
 

@@ -36,6 +36,11 @@ def test_bad_layouts(parallel, world, kw, fragment):
     assert "\n" not in msg
 
 
+def test_sequence_parallel_needs_the_te_spec():
+    with pytest.raises(LayoutError, match="sequence_parallel=true needs the Transformer Engine layer spec"):
+        check(ParallelConfig(tp=2, sequence_parallel=True), te_available=False)
+
+
 def test_fp8_needs_cuda_and_te():
     fp8 = Fp8Config(format="hybrid")
     with pytest.raises(LayoutError, match="needs CUDA"):
@@ -49,7 +54,7 @@ def test_fp8_needs_cuda_and_te():
 
 def test_good_layouts_pass():
     check(ParallelConfig(tp=2, pp=2))
-    check(ParallelConfig(tp=2, pp=2, vpp=2, sequence_parallel=True))
+    check(ParallelConfig(tp=2, pp=2, vpp=2, sequence_parallel=True), te_available=True)
     assert ParallelConfig(tp=2, pp=2).dp(8) == 2
 
 
