@@ -9,8 +9,11 @@ generation layout (TP=rollout.tp, PP=1, DP=world/rollout.tp; the training TP whe
 
 Peak bytes per GPU = resident state (weights, gradients, optimizer of every model on the GPU) + the
 largest of the phases' extra needs: `train_policy`/`train_value` (activations), `rollout` (KV cache
-and, when the generation layout differs, the policy's copy in it) and `score` (the frozen models'
-forward, and their weights when `ppo.offload_frozen` keeps them in host memory between uses).
+and, when the generation layout differs or vLLM generates, the policy's copy there, minus what waits in
+host memory meanwhile: both trained models' gradients and optimizer state, and with
+`rollout.release_training_weights` the policy's training weights; so it may be negative) and `score` (the
+frozen models' forward, and their weights when `ppo.offload_frozen` keeps them in host memory between
+uses). `ppo.reference_mode=swap` puts no reference weights on the GPU.
 """
 
 from __future__ import annotations
@@ -172,27 +175,39 @@ def _plan_ppo(cfg, cluster, policy_arch, train_layout, trained_kw, act, notes) -
     frozen_kw = dict(trained=False, dp=dp, distributed_optimizer=False, fp8=False)
     policy = model_memory("policy", policy_arch, train_layout, "lm", **trained_kw)
     value = model_memory("value", value_arch, train_layout, "scalar", **trained_kw)
-    reference = model_memory("reference", policy_arch, inf_layout, "lm", **frozen_kw)
+    swap_reference = ppo.reference_mode == "swap"
+    # ppo.reference_mode=swap: no reference model on the GPU; the policy's chunks run its forward (training layout)
+    ref_layout = train_layout if swap_reference else inf_layout
+    reference = model_memory("reference", policy_arch, ref_layout, "lm", **frozen_kw)
     reward = model_memory("reward", reward_arch, inf_layout, "scalar", **frozen_kw)
     nmb = ppo.minibatch_size // (dp * t.micro_batch_size)
     policy.activations = activation_bytes(policy_arch, train_layout, act(t.micro_batch_size, seq, nmb), "lm")
     value.activations = activation_bytes(value_arch, train_layout, act(t.micro_batch_size, seq, nmb), "scalar")
-    reference.activations = inference_bytes(policy_arch, inf_layout, t.micro_batch_size, seq, "lm")
+    reference.activations = inference_bytes(policy_arch, ref_layout, t.micro_batch_size, seq, "lm")
     reward.activations = inference_bytes(reward_arch, inf_layout, t.micro_batch_size, seq, "scalar")
     gen_tp = generation_tp(cfg)
     gen_layout = Layout(gen_tp, 1)
     gen_dp = world // gen_tp
     policy.kv_cache = kv_cache_bytes(policy_arch, gen_tp, -(-ppo.rollout_batch_size // gen_dp), seq)  # ceil: redistribute.py
-    if gen_layout != Layout(p.tp, p.pp, p.vpp):
+    copy_generates = gen_layout != Layout(p.tp, p.pp, p.vpp) or cfg.rollout.engine == "vllm"
+    if copy_generates:
         policy.generation_weights = params_per_gpu(policy_arch, gen_layout) * dtype_bytes(policy_arch.params_dtype)
     offload = ppo.offload_frozen
-    for m in (reference, reward):
-        m.resident = not offload
+    reward.resident = not offload
+    reference.resident = not (offload or swap_reference)
+    if swap_reference:
+        reference.weights = 0.0  # host copies (trainer/reference_swap.py), one parameter of device scratch
+        notes.append("ppo.reference_mode=swap: the reference weights wait in host memory and run in the policy's model")
     frozen_weights = max(reference.weights, reward.weights) if offload else 0.0
+    # During the rollout, gradients and optimizer state of both trained models wait in host memory
+    # (rollout/offload.py), and so do the policy's training weights while a copy of them generates.
+    in_host = policy.gradients + policy.optimizer + value.gradients + value.optimizer
+    if copy_generates and cfg.rollout.release_training_weights:
+        in_host += policy.weights
     phases = {
         "train_policy": policy.activations,
         "train_value": value.activations,
-        "rollout": policy.kv_cache + policy.generation_weights,
+        "rollout": policy.kv_cache + policy.generation_weights - in_host,
         "score": frozen_weights + max(reference.activations, reward.activations),
     }
     if gen_layout != Layout(p.tp, p.pp, p.vpp) and cfg.rollout.tp is None:

@@ -49,6 +49,14 @@ def test_planner_7b_example_by_hand():
     # KV cache of 8 prompts x 1024 tokens: 2 (K, V) x 32 layers x 32 heads x 128 x 2 bytes per token.
     assert models["policy"].kv_cache == 2 * 32 * 32 * 128 * 2 * 8 * 1024
     assert plan.fits and plan.total == plan.state + max(plan.phases.values())
+    # Rollout in the training layout: gradients and optimizer state of policy and value wait in host memory.
+    value = models["value"]
+    assert plan.phases["rollout"] == models["policy"].kv_cache - (16 * p_lm + value.gradients + value.optimizer)
+    # ppo.reference_mode=swap: no reference weights on the GPU (host copies run in the policy's model).
+    swapped = plan_stage(load_for_plan("ppo", None, LLAMA2_7B + ["ppo.reference_mode=swap"]), "ppo",
+                         Cluster(nodes=1, gpus_per_node=1, gpu_memory_gib=1000))
+    assert swapped.state == plan.state - 2 * p_lm
+    assert {m.name: m for m in swapped.models}["reference"].weights == 0
 
 
 def _plan(recipe, cluster, *overrides):
@@ -90,6 +98,13 @@ def test_llama3_70b_recipe_by_hand():
     assert not any("rollout.tp" in n for n in plan.notes)
     # Without a generation layout a pipelined policy would generate through its pipeline: the plan says so.
     assert any("rollout.tp" in n for n in _plan(R70, C70, "rollout.tp=null").notes)
+    # Generating from a copy (TP=8, PP=1): the training weights wait in host memory too, unless told to stay.
+    p, val = m["policy"], m["value"]
+    in_host = p.gradients + p.optimizer + val.gradients + val.optimizer
+    assert p.generation_weights == (v * h // tp + 80 * layer + h + v * h // tp) * 2  # bf16, all 80 layers
+    assert plan.phases["rollout"] == p.kv_cache + p.generation_weights - in_host - p.weights
+    kept = _plan(R70, C70, "rollout.release_training_weights=false")
+    assert kept.phases["rollout"] == plan.phases["rollout"] + p.weights
 
 
 @pytest.mark.parametrize("overrides, error, fragment", [
