@@ -16,6 +16,7 @@ Generation output (a dict of tensors, all on the engine's device; T = max_new_to
 from __future__ import annotations
 
 import abc
+import contextlib
 from dataclasses import dataclass
 from typing import Dict, Iterable, Optional, Tuple
 
@@ -48,6 +49,28 @@ class RolloutEngine(abc.ABC):
     """
 
     shares_policy_weights: bool = False
+    _held = 0  # open `same_weights` blocks
+    _current = False  # inside them: the engine's copy already holds the policy's weights
+
+    @contextlib.contextmanager
+    def same_weights(self):
+        """Several `generate` calls with no optimizer step between them (eval: sampled then greedy; ReMax:
+        rollout then greedy baseline): an engine that copies the policy's weights before generating
+        (hybrid layout, vLLM) copies them once in the block. Collective like `generate`: all ranks enter it."""
+        self._held += 1
+        try:
+            yield
+        finally:
+            self._held -= 1
+            if not self._held:
+                self._current = False
+
+    def _copy_due(self) -> bool:
+        """For engines that copy the weights: must `generate` copy them now? (Then they count as copied.)"""
+        if self._held and self._current:
+            return False
+        self._current = bool(self._held)
+        return True
 
     @abc.abstractmethod
     def generate(

@@ -273,7 +273,8 @@ class HybridRolloutEngine(RolloutEngine):
         """This rank's training share of prompts [b, s] -> responses to them (base.py's dict, [b, T])."""
         from megatron_rlhf.rollout.offload import released
 
-        self.swap()  # the weights of the latest optimizer step
+        if self._copy_due():  # the weights of the latest optimizer step
+            self.swap()
 
         def decode(ids, mask, draws):
             return generate(self.model, ids, prompt_mask=mask, max_new_tokens=sampling.max_new_tokens,

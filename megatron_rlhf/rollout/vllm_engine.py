@@ -113,7 +113,8 @@ class VLLMRolloutEngine(RolloutEngine):
         from megatron_rlhf.rollout.offload import released
 
         self.llm.wake_up(tags=["weights"])
-        self.update_weights(iter_hf_weights(self.train_chunks, self.model_cfg, "lm"))
+        if self._copy_due():  # sleep level 1 kept the last weights in host memory: within same_weights, reuse them
+            self.update_weights(iter_hf_weights(self.train_chunks, self.model_cfg, "lm"))
         # vLLM holds the weights now: training's wait in host memory (rollout.release_training_weights)
         # before the KV cache comes back, so the two never occupy the device together.
         with released(self.train_chunks, self.release_device):

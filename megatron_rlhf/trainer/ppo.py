@@ -120,12 +120,14 @@ def fit(cfg) -> Dict[str, float]:
     stop_at, resumed_at = min(p.iterations, cfg.train.exit_at_step or p.iterations), iteration
     while iteration < stop_at:
         with metrics.timer("time/iteration") as timing:
-            with metrics.timer("time/rollout"), offloaded([m.policy, m.value]):  # grads + optimizer state to host
-                prompt_indices = next(sampler)
-                exp = rollout(engine, train_prompts, prompt_indices, cfg, iteration, ctx.dp_rank, tok)
-            with metrics.timer("time/score"), m.frozen_on_device():
-                score_and_recompute(exp, m.forward_models(), frozen, cfg.train.micro_batch_size)
-                greedy = cf.remax_baseline(engine, [train_prompts[i] for i in prompt_indices], tok, m.reward, frozen, cfg)
+            with engine.same_weights():  # ReMax's greedy baseline reuses the rollout's copy of the weights
+                with metrics.timer("time/rollout"), offloaded([m.policy, m.value]):  # grads + optimizer state to host
+                    prompt_indices = next(sampler)
+                    exp = rollout(engine, train_prompts, prompt_indices, cfg, iteration, ctx.dp_rank, tok)
+                with metrics.timer("time/score"), m.frozen_on_device():
+                    score_and_recompute(exp, m.forward_models(), frozen, cfg.train.micro_batch_size)
+                    greedy = cf.remax_baseline(engine, [train_prompts[i] for i in prompt_indices], tok, m.reward,
+                                               frozen, cfg)
             with metrics.timer("time/advantages"):
                 group = cf.estimate(exp, cfg.ppo, kl_ctl.beta, greedy, dp_group)  # GAE, or grpo/rloo/remax
                 stats = {f"ppo/{k}": float(v) for k, v in {**rollout_stats(exp, dp_group), **group}.items()}

@@ -86,15 +86,16 @@ def evaluate(engine, models: Dict[str, list], frozen: Frozen, prompts: List[List
     mine = prompts[share]
     forward = {k: v for k, v in models.items() if k != "value"}
     result: Dict[str, float] = {}
-    for mode in ("sample", "greedy"):
-        greedy = mode == "greedy"
-        sampling = SamplingParams(p.max_new_tokens, p.temperature, greedy=greedy)
-        draws = None if greedy else uniforms(cfg.train.seed + EVAL_SEED_OFFSET, 0, share, n, p.max_new_tokens)
-        exp = score_and_recompute(generate(engine, mine, tokenizer, sampling, draws), forward, frozen,
-                                  cfg.train.micro_batch_size, with_values=False)
-        prefix = "eval/greedy_" if greedy else "eval/"
-        for k, v in sequence_means(exp, gold_scores(gold, tokenizer, exp), dp_group).items():
-            result[prefix + k] = v
+    with engine.same_weights():  # one weight copy for both passes
+        for mode in ("sample", "greedy"):
+            greedy = mode == "greedy"
+            sampling = SamplingParams(p.max_new_tokens, p.temperature, greedy=greedy)
+            draws = None if greedy else uniforms(cfg.train.seed + EVAL_SEED_OFFSET, 0, share, n, p.max_new_tokens)
+            exp = score_and_recompute(generate(engine, mine, tokenizer, sampling, draws), forward, frozen,
+                                      cfg.train.micro_batch_size, with_values=False)
+            prefix = "eval/greedy_" if greedy else "eval/"
+            for k, v in sequence_means(exp, gold_scores(gold, tokenizer, exp), dp_group).items():
+                result[prefix + k] = v
     return result
 
 
