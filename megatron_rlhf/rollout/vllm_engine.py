@@ -96,6 +96,9 @@ class VLLMRolloutEngine(RolloutEngine):
                 json.dump(config, f, indent=2, sort_keys=True)
         dist.barrier()
         extra = {"data_parallel_size": world // tp} if world > tp else {}
+        # The engine core in this process: `apply_model` hands it a closure, which a separate engine process
+        # could only receive with insecure serialization switched on.
+        os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
         self.llm = LLM(model=config_dir, load_format="dummy", skip_tokenizer_init=True, tensor_parallel_size=tp,
                        distributed_executor_backend="external_launcher", enable_sleep_mode=True, seed=seed,
                        dtype=model_cfg.params_dtype, gpu_memory_utilization=gpu_memory_utilization,

@@ -72,3 +72,25 @@ def test_import_needs_no_cuda_te_or_vllm():
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env)
     assert out.returncode == 0, out.stderr[-2000:]
     assert out.stdout.strip() == "ok"
+
+
+def test_megatron_imports_without_the_compiler_stack_on_cpu():
+    """parallel/eager_import.py: without CUDA, megatron-core's fusion helpers are not torch.compile-wrapped,
+    so torch's dynamo/inductor are never imported; torch.compile itself is left as it was."""
+    code = (
+        "import sys, torch\n"
+        "compile_ = torch.compile\n"
+        "import megatron_rlhf\n"
+        "from megatron.core.models.gpt import GPTModel\n"
+        "from megatron.core import jit\n"
+        "from megatron.core.fusions import fused_bias_swiglu\n"
+        "assert torch.compile is compile_\n"
+        "assert jit.jit_fuser is jit.noop_decorator, jit.jit_fuser\n"
+        "assert not hasattr(fused_bias_swiglu.swiglu, '_torchdynamo_orig_callable'), 'compiled'\n"
+        "assert 'torch._dynamo' not in sys.modules and 'torch._inductor.compile_fx' not in sys.modules\n"
+        "print('ok')\n"
+    )
+    env = dict(os.environ, CUDA_VISIBLE_DEVICES="")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.strip() == "ok"
