@@ -32,6 +32,11 @@ CUDA is available; otherwise it neutralises exactly these CUDA assumptions (each
 6. ``dist_checkpointing`` needs ``psutil`` (checked here, because a missing one hangs the other rank)
    and starts a ``spawn`` manager: entry points must be import-safe (``if __name__ == "__main__"``).
 
+7. Start-up: megatron-core's import wraps its fusion helpers in ``torch.compile``, which pulls in
+   dynamo and inductor (~2.8 s per rank). `parallel/eager_import.py` (installed by the package's
+   ``__init__``, before megatron-core can be imported) leaves them uncompiled when there is no CUDA;
+   none of them runs on CPU here (item 5).
+
 The layer is checked against the installed megatron-core version and refuses any other one,
 because each patch targets a specific release's internals.
 """
