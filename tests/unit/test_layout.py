@@ -58,6 +58,14 @@ def test_good_layouts_pass():
     assert ParallelConfig(tp=2, pp=2).dp(8) == 2
 
 
+def run_without_cuda(code: str) -> None:
+    """Run `code` in a fresh interpreter that sees no GPU; it must print 'ok'."""
+    env = dict(os.environ, CUDA_VISIBLE_DEVICES="")
+    out = subprocess.run([sys.executable, "-c", code + "print('ok')\n"], capture_output=True, text=True, env=env)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.strip() == "ok"
+
+
 def test_import_needs_no_cuda_te_or_vllm():
     """Importing the package (and its model/parallel modules) never imports TE or vLLM, and works without CUDA."""
     code = (
@@ -66,12 +74,8 @@ def test_import_needs_no_cuda_te_or_vllm():
         "bad = [m for m in sys.modules if m.split('.')[0] in ('transformer_engine', 'vllm')]\n"
         "assert not bad, bad\n"
         "import torch; assert not torch.cuda.is_available()\n"
-        "print('ok')\n"
     )
-    env = dict(os.environ, CUDA_VISIBLE_DEVICES="")
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env)
-    assert out.returncode == 0, out.stderr[-2000:]
-    assert out.stdout.strip() == "ok"
+    run_without_cuda(code)
 
 
 def test_megatron_imports_without_the_compiler_stack_on_cpu():
@@ -88,9 +92,5 @@ def test_megatron_imports_without_the_compiler_stack_on_cpu():
         "assert jit.jit_fuser is jit.noop_decorator, jit.jit_fuser\n"
         "assert not hasattr(fused_bias_swiglu.swiglu, '_torchdynamo_orig_callable'), 'compiled'\n"
         "assert 'torch._dynamo' not in sys.modules and 'torch._inductor.compile_fx' not in sys.modules\n"
-        "print('ok')\n"
     )
-    env = dict(os.environ, CUDA_VISIBLE_DEVICES="")
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env)
-    assert out.returncode == 0, out.stderr[-2000:]
-    assert out.stdout.strip() == "ok"
+    run_without_cuda(code)
