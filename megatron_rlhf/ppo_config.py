@@ -25,6 +25,9 @@ class PPOSection:
     epochs: int = _f(2, "passes over each rollout batch")
     max_new_tokens: int = _f(64, "generation length limit")
     temperature: float = _f(1.0, "sampling temperature (logprobs are taken at the same temperature)")
+    top_k: int = _f(0, "sample among the k most likely tokens only; 0 = off. The trainer's log-probs stay over the "
+                    "whole vocabulary, so PPO's ratio then also corrects for the truncation (ppo/rho_* show it)")
+    top_p: float = _f(1.0, "nucleus sampling: the smallest set of most likely tokens with this mass; 1 = off (see top_k)")
     beta: float = _f(0.05, "KL penalty coefficient (initial value when adaptive)")
     kl_estimator: str = _f("k1", "per-token KL estimator (k3 with kl_in=loss, as GRPO)", choices=("k1", "k2", "k3"))
     kl_in: str = _f("reward", "where the KL to the reference goes: shaped into the reward (PPO) or a "
@@ -73,6 +76,8 @@ def validate_ppo(cfg) -> None:
         require(v >= 1, f"ppo.{name}={v} must be >= 1")
     validate_siblings(cfg)
     require(p.temperature > 0, f"ppo.temperature={p.temperature} must be > 0")
+    require(p.top_k >= 0, f"ppo.top_k={p.top_k} must be >= 0 (0: off)")
+    require(0 < p.top_p <= 1, f"ppo.top_p={p.top_p} must be in (0, 1] (1: off)")
     require(p.beta >= 0, f"ppo.beta={p.beta} must be >= 0")
     require(p.adaptive_kl_target is None or p.adaptive_kl_target > 0,
             f"ppo.adaptive_kl_target={p.adaptive_kl_target} must be > 0 or null")

@@ -8,7 +8,8 @@ Generation output (a dict of tensors, all on the engine's device; T = max_new_to
     response_ids   [b, T] long   sampled tokens, right-padded with pad_id after EOS / the last token
     response_mask  [b, T] float  1.0 on real response tokens (including the EOS token), 0.0 on padding
     logprobs       [b, T] float32 log-prob of each sampled token under the sampling distribution
-                                 (softmax of logits / temperature over the true vocabulary); 0 on padding
+                                 (softmax of logits / temperature over the true vocabulary, restricted
+                                 to the top-k / top-p ids when asked); 0 on padding
     ended          [b]    bool   the response emitted EOS (False: cut at max_new_tokens)
     lengths        [b]    long   number of real response tokens (= response_mask.sum(-1))
 """
@@ -27,18 +28,31 @@ GENERATION_KEYS = ("response_ids", "response_mask", "logprobs", "ended", "length
 
 @dataclass(frozen=True)
 class SamplingParams:
-    """How to pick tokens. temperature > 0 scales logits before softmax; greedy=True takes the argmax
-    (logprobs are still reported under softmax(logits / temperature))."""
+    """How to pick tokens. temperature > 0 scales logits before softmax; top_k > 0 keeps only the k most
+    likely ids and top_p < 1 the smallest set of most likely ids whose probability reaches top_p (both off
+    by default). Tokens are drawn from softmax(logits / temperature) restricted to the kept ids and
+    renormalised, and `logprobs` are reported under that same distribution. greedy=True takes the argmax
+    (logprobs still under that distribution)."""
 
     max_new_tokens: int
     temperature: float = 1.0
     greedy: bool = False
+    top_k: int = 0
+    top_p: float = 1.0
 
     def __post_init__(self):
         if self.max_new_tokens < 1:
             raise ValueError(f"max_new_tokens={self.max_new_tokens} must be >= 1")
         if not self.temperature > 0:
             raise ValueError(f"temperature={self.temperature} must be > 0 (for argmax decoding use greedy=True)")
+        if self.top_k < 0:
+            raise ValueError(f"top_k={self.top_k} must be >= 0 (0: off)")
+        if not 0 < self.top_p <= 1:
+            raise ValueError(f"top_p={self.top_p} must be in (0, 1] (1: off)")
+
+    @property
+    def truncates(self) -> bool:
+        return self.top_k > 0 or self.top_p < 1.0
 
 
 class RolloutEngine(abc.ABC):

@@ -280,7 +280,7 @@ class HybridRolloutEngine(RolloutEngine):
             return generate(self.model, ids, prompt_mask=mask, max_new_tokens=sampling.max_new_tokens,
                             eos_id=self.eos_id, pad_id=self.pad_id, vocab_size=self.vocab_size,
                             temperature=sampling.temperature, greedy=sampling.greedy, generator=generator,
-                            uniforms=draws)
+                            uniforms=draws, top_k=sampling.top_k, top_p=sampling.top_p)
 
         with released(self.train_chunks, self.release_device):  # the copy decodes; training's weights wait
             return generate_in_layout(self.layout, decode, prompt_ids, prompt_mask, uniforms, self.pad_id)

@@ -58,6 +58,8 @@ def generate(
     seed: Optional[int] = None,
     uniforms: Optional[torch.Tensor] = None,
     path: str = "auto",
+    top_k: int = 0,
+    top_p: float = 1.0,
 ) -> Dict[str, torch.Tensor]:
     """Sample up to `max_new_tokens` tokens after each prompt with the KV cache.
 
@@ -70,7 +72,7 @@ def generate(
     eos_id: generation of a row stops after it emits this id (None: always run max_new_tokens).
     pad_id: filler for response_ids after the end of each response.
     vocab_size: the TRUE vocabulary size; logits for padded ids (>= vocab_size) are dropped.
-    temperature, greedy: see `SamplingParams`.
+    temperature, greedy, top_k, top_p: see `SamplingParams`.
     generator / seed: sampling RNG (a torch.Generator on the model's device, or a seed to make one);
         neither: torch's default generator. Each step draws one uniform per row from it (inverse CDF).
     uniforms [b, T] float in [0, 1): instead of an RNG, response token k of row i is drawn by inverse CDF
@@ -82,7 +84,7 @@ def generate(
     Returns the dict described in `rollout/base.py`: response_ids, response_mask, logprobs [b, T],
     ended, lengths [b], with T = max_new_tokens.
     """
-    sampling = SamplingParams(max_new_tokens, temperature, greedy)
+    sampling = SamplingParams(max_new_tokens, temperature, greedy, top_k, top_p)
     gpt = _single_chunk(model)
     use_lean = _use_lean(gpt, path)
     device = _device(gpt)
@@ -131,6 +133,7 @@ class MegatronRolloutEngine(RolloutEngine):
             self.model, prompt_ids, prompt_mask=prompt_mask, max_new_tokens=sampling.max_new_tokens,
             eos_id=self.eos_id, pad_id=self.pad_id, vocab_size=self.vocab_size,
             temperature=sampling.temperature, greedy=sampling.greedy, generator=generator, uniforms=uniforms,
+            top_k=sampling.top_k, top_p=sampling.top_p,
         )
 
     def update_weights(self, named_tensors: Iterable[Tuple[str, torch.Tensor]]) -> None:
@@ -267,7 +270,8 @@ def _pick(
     logits: torch.Tensor, vocab_size: int, sampling: SamplingParams, generator, u: Optional[torch.Tensor] = None,
     tp_group=None,
 ) -> Tuple[torch.Tensor, torch.Tensor]:
-    """logits [b, V_padded] -> (token [b] long, its log-prob [b] fp32 under softmax(logits / temperature)).
+    """logits [b, V_padded] -> (token [b] long, its log-prob [b] fp32 under softmax(logits / temperature),
+    restricted to the top-k / top-p ids when `sampling` asks: `_truncate`).
 
     u [b] in [0, 1): the inverse-CDF draws (one per row); None: drawn from `generator`.
     With `tp_group` (from `_tp_group_to_agree`), TP rank 0's tokens are used on every rank.
@@ -277,6 +281,8 @@ def _pick(
     z = logits[:, :vocab_size].float()
     if sampling.temperature != 1.0:  # x / 1.0 == x exactly: skip the op, not a result
         z = z / sampling.temperature
+    if sampling.truncates:
+        z = _truncate(z, sampling.top_k, sampling.top_p)
     log_probs = torch.log_softmax(z, dim=-1)
     if sampling.greedy:
         token = z.argmax(dim=-1)
@@ -292,6 +298,22 @@ def _pick(
     if tp_group is not None:
         torch.distributed.broadcast(token, src=torch.distributed.get_global_rank(tp_group, 0), group=tp_group)
     return token, log_probs.gather(-1, token.unsqueeze(-1)).squeeze(-1)
+
+
+def _truncate(z: torch.Tensor, top_k: int, top_p: float) -> torch.Tensor:
+    """z [b, V] (logits / temperature) -> z with -inf outside the kept ids: the top_k largest (0: all),
+    then the smallest prefix of the rest, by descending probability, whose mass reaches top_p (the most
+    likely id is always kept). Ties with the k-th largest value are kept too."""
+    if 0 < top_k < z.shape[-1]:
+        kth = z.topk(top_k, dim=-1).values[:, -1:]
+        z = z.masked_fill(z < kth, float("-inf"))
+    if top_p < 1.0:
+        sorted_z, order = z.sort(dim=-1, descending=True)
+        probs = torch.softmax(sorted_z, dim=-1)
+        before = probs.cumsum(dim=-1) - probs  # mass of the more likely ids
+        drop = torch.zeros_like(z, dtype=torch.bool).scatter(-1, order, before >= top_p)
+        z = z.masked_fill(drop, float("-inf"))
+    return z
 
 
 def _tp_group_to_agree(gpt):

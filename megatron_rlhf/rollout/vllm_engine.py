@@ -11,7 +11,7 @@ Written against vLLM's documented offline API and NOT yet run: the session that 
   `rollout.bucket_mb` -> wake the KV cache -> generate this generation-DP rank's rows
   (rollout/hybrid.py's `generate_in_layout`) -> sleep (level 1); from the weight update to the sleep the
   training weights wait in host memory (`rollout.release_training_weights`);
-- sampling mapped one to one: temperature (0 for greedy), no top-p/top-k, stop at EOS, `max_tokens`,
+- sampling mapped one to one: temperature (0 for greedy), top-p/top-k only when asked, stop at EOS, `max_tokens`,
   the log-prob of each sampled token after temperature (`logprobs_mode="processed_logprobs"`).
   vLLM draws from its own RNG: per-row `uniforms` cannot be used (tokens then depend on the split).
 
@@ -132,7 +132,8 @@ class VLLMRolloutEngine(RolloutEngine):
         from vllm import SamplingParams as VLLMSampling
 
         params = VLLMSampling(
-            n=1, temperature=0.0 if sampling.greedy else sampling.temperature, top_p=1.0,
+            n=1, temperature=0.0 if sampling.greedy else sampling.temperature, top_p=sampling.top_p,
+            top_k=sampling.top_k if sampling.top_k > 0 else -1,
             max_tokens=sampling.max_new_tokens, logprobs=0, detokenize=False,
             stop_token_ids=[self.eos_id] if self.eos_id is not None else None, ignore_eos=self.eos_id is None)
         prompts = [{"prompt_token_ids": row[m].tolist()} for row, m in zip(ids, mask.bool())]

@@ -176,7 +176,8 @@ def rollout(engine, prompts: List[List[int]], indices: List[int], cfg, iteration
     indices = cf.group_rows(indices, p.samples_per_prompt)
     share = slice(dp_rank * len(indices), (dp_rank + 1) * len(indices))
     draws = uniforms(cfg.train.seed, iteration, share, rollouts_per_iteration(p), p.max_new_tokens)
-    return generate(engine, [prompts[i] for i in indices], tokenizer, SamplingParams(p.max_new_tokens, p.temperature), draws)
+    sampling = SamplingParams(p.max_new_tokens, p.temperature, top_k=p.top_k, top_p=p.top_p)
+    return generate(engine, [prompts[i] for i in indices], tokenizer, sampling, draws)
 
 
 def perf_stats(batch: Experience, seconds: float) -> Dict[str, float]:

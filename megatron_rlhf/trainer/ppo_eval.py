@@ -89,7 +89,7 @@ def evaluate(engine, models: Dict[str, list], frozen: Frozen, prompts: List[List
     with engine.same_weights():  # one weight copy for both passes
         for mode in ("sample", "greedy"):
             greedy = mode == "greedy"
-            sampling = SamplingParams(p.max_new_tokens, p.temperature, greedy=greedy)
+            sampling = SamplingParams(p.max_new_tokens, p.temperature, greedy=greedy, top_k=p.top_k, top_p=p.top_p)
             draws = None if greedy else uniforms(cfg.train.seed + EVAL_SEED_OFFSET, 0, share, n, p.max_new_tokens)
             exp = score_and_recompute(generate(engine, mine, tokenizer, sampling, draws), forward, frozen,
                                       cfg.train.micro_batch_size, with_values=False)

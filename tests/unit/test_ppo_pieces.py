@@ -25,6 +25,8 @@ def load(*overrides):
     (["ppo.value_warmup_iterations=100", "ppo.iterations=100"], "ppo.value_warmup_iterations=100"),
     (["ppo.kl_estimator=k4"], "ppo.kl_estimator='k4' is not one of"),
     (["ppo.doctor.entropy_fraction=-1"], "ppo.doctor.entropy_fraction=-1.0"),
+    (["ppo.top_p=0"], "ppo.top_p=0.0 must be in (0, 1]"),
+    (["ppo.top_k=-2"], "ppo.top_k=-2 must be >= 0"),
 ])
 def test_bad_ppo_settings_fail_with_one_line(overrides, message):
     with pytest.raises(C.ConfigError, match=message.replace("(", r"\(").replace(")", r"\)")) as e:

@@ -185,6 +185,40 @@ def test_sampled_frequencies_follow_softmax_and_skip_padded_vocab(world, tempera
     assert torch.allclose(out["logprobs"][:, 0].double(), probs.log()[first], atol=1e-5)
 
 
+def _truncated_reference(probs: torch.Tensor, top_k: int, top_p: float) -> torch.Tensor:
+    """The kept ids' probabilities, renormalised (zero elsewhere), by a loop over ids sorted by probability:
+    the top k, then (as transformers' and vLLM's samplers do) top-p over the renormalised top k."""
+    order = sorted(range(len(probs)), key=lambda i: -float(probs[i]))[: top_k or len(probs)]
+    total = sum(float(probs[i]) for i in order)
+    kept, mass = [], 0.0
+    for i in order:
+        if mass >= top_p:
+            break
+        kept.append(i)
+        mass += float(probs[i]) / total
+    out = torch.zeros_like(probs)
+    out[kept] = probs[kept]
+    return out / out.sum()
+
+
+@pytest.mark.parametrize("top_k,top_p", [(3, 1.0), (0, 0.6), (4, 0.8)])
+def test_top_k_and_top_p_sample_only_the_kept_ids_and_report_their_renormalised_logprobs(world, top_k, top_p):
+    model = _model(1)
+    prompt = torch.tensor([[3, 9, 4]])
+    n = 6000
+    out = generate(model, prompt.expand(n, -1), prompt_lengths=torch.full((n,), 3), max_new_tokens=1,
+                   eos_id=None, pad_id=PAD, vocab_size=VOCAB, temperature=0.8, seed=3, top_k=top_k, top_p=top_p)
+    first = out["response_ids"][:, 0]
+    ref = _truncated_reference(torch.softmax(_full_logits(model, prompt)[0, -1].double() / 0.8, -1), top_k, top_p)
+    assert 1 < int((ref > 0).sum()) < VOCAB  # the truncation keeps some ids and drops others
+    assert bool((ref[first] > 0).all())  # never a dropped id
+    freq = torch.bincount(first, minlength=VOCAB).double() / n
+    assert 0.5 * (freq - ref).abs().sum() < 0.04, (freq, ref)
+    assert torch.allclose(out["logprobs"][:, 0].double(), ref.log()[first], atol=1e-5)
+    with pytest.raises(ValueError, match="top_p=1.5 must be in"):
+        SamplingParams(4, top_p=1.5)
+
+
 def test_restores_mode_and_does_not_track_gradients(world):
     model = _model(2)
     ids, mask = _prompts(5)
