@@ -102,20 +102,6 @@ def _rng_state() -> dict:
     return state
 
 
-def _in_process_results_queue() -> None:
-    """megatron-core's save passes its write results through a queue it creates on first use as a `spawn`
-    `Manager().Queue()`: a server process that has to import torch to unpickle them, ~2.3 s at the first
-    save of every rank (measured; the rank waits for it). Our saves are synchronous
-    (`AsyncRequest.execute_sync`: the put and the get both happen in this process), so a thread queue
-    does the same job. An asynchronous save would need the cross-process queue back."""
-    import queue
-
-    from megatron.core.dist_checkpointing.strategies import filesystem_async
-
-    if filesystem_async._results_queue is None:
-        filesystem_async._results_queue = queue.Queue()
-
-
 def save_checkpoint(
     root: str | os.PathLike,
     step: int,
@@ -138,7 +124,6 @@ def save_checkpoint(
         tmp.mkdir(parents=True)
     _barrier()
     state = _sharded_state(models, optimizers, schedulers, dict(extra, step=step), is_loading=False)
-    _in_process_results_queue()
     dist_checkpointing.save(state, str(tmp))
     (tmp / "rng").mkdir(exist_ok=True)
     torch.save(_rng_state(), tmp / "rng" / f"rank{_rank():05d}.pt")

@@ -30,7 +30,8 @@ CUDA is available; otherwise it neutralises exactly these CUDA assumptions (each
    unbatched pipeline send/recv (batched isend/irecv on gloo races in the interleaved schedule:
    later microbatches read wrong activations).
 6. ``dist_checkpointing`` needs ``psutil`` (checked here, because a missing one hangs the other rank)
-   and starts a ``spawn`` manager: entry points must be import-safe (``if __name__ == "__main__"``).
+   and, left alone, starts a ``spawn`` manager (ours keeps its queue in the rank instead:
+   parallel/lifetime.py); entry points stay import-safe (``if __name__ == "__main__"``) all the same.
 
 7. Start-up: megatron-core's import wraps its fusion helpers in ``torch.compile``, which pulls in
    dynamo and inductor (~2.8 s per rank). `parallel/eager_import.py` (installed by the package's

@@ -56,7 +56,7 @@ def init_process_group(timeout_s: int = 600) -> DistEnv:
     """Start torch.distributed (once); nccl with CUDA, gloo otherwise."""
     cpu.enable()
     lifetime.follow_launcher()  # a dying launcher means: checkpoint and exit
-    lifetime.guard_checkpoint_manager()  # no checkpoint helper outlives this rank
+    lifetime.keep_checkpoint_results_in_process()  # no checkpoint manager process at all
     lifetime.forked_children_die_with_rank()  # nor a forked checkpoint writer (nor the tracker it holds open)
     env = dist_env()
     if torch.distributed.is_initialized():

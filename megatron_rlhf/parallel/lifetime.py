@@ -4,10 +4,10 @@
   the launcher dies (`PR_SET_PDEATHSIG`): a launcher killed by a preemption signal it does not
   handle (torchrun and SIGUSR1 exit 138) then leaves ranks that save a checkpoint and exit 0,
   instead of orphans training on until the end.
-- Megatron's `dist_checkpointing` keeps a `spawn` multiprocessing manager per rank (the write-results
-  queue). Ours ignores the preemption signals (a signal to the whole process group, as Slurm sends
-  it, must not kill it before the checkpoint is written) and gets SIGKILL when its rank dies, so a
-  `kill -9` of a rank leaves no manager behind.
+- Megatron's `dist_checkpointing` would start a `spawn` multiprocessing manager per rank for its
+  write-results queue. Our saves are synchronous, so that queue is a thread queue in the rank instead
+  (`keep_checkpoint_results_in_process`): no manager process to outlive the rank, and no 2.4 s at a
+  rank's first save while the manager imports torch to unpickle the results.
 - Megatron's checkpoint writer forks worker processes (`filesystem_async`, `fork` context). A worker
   orphaned mid-write can block forever on a results pipe whose other end it holds itself, and it
   keeps the rank's resource tracker alive (the tracker exits on EOF from every holder of its pipe).
@@ -27,7 +27,6 @@ from typing import Optional
 PR_SET_PDEATHSIG = 1
 PR_SET_CHILD_SUBREAPER = 36
 LAUNCHER_ENV = "MEGATRON_RLHF_LAUNCHER"  # set by megatron_rlhf.launch to its pid
-_manager = None  # keeps our checkpoint-results manager alive for the life of the rank
 _forker = None  # (pid, forked from the main thread) of the process that is forking now
 
 
@@ -62,13 +61,6 @@ def follow_launcher() -> None:
         die_with_parent(signal.SIGTERM)
 
 
-def _helper_init(parent_pid: int) -> None:
-    """Runs first in our checkpoint manager process (spawned: must be importable, module level)."""
-    for sig in (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT, signal.SIGHUP):
-        signal.signal(sig, signal.SIG_IGN)  # the rank handles these; the helper must survive them
-    die_with_parent(signal.SIGKILL, parent_pid)
-
-
 def _before_fork() -> None:
     global _forker
     _forker = (os.getpid(), threading.current_thread() is threading.main_thread())
@@ -93,24 +85,16 @@ def forked_children_die_with_rank() -> None:
     forked_children_die_with_rank._registered = True
 
 
-def guard_checkpoint_manager() -> None:
-    """Make dist_checkpointing create its results-queue manager through `_helper_init` (lazily, as it does)."""
+def keep_checkpoint_results_in_process() -> None:
+    """dist_checkpointing's write-results queue as a thread queue in this rank (module docstring).
+
+    Megatron creates it on first use as a `spawn` `Manager().Queue()`: a server process that imports torch
+    to unpickle the results (the rank waits ~2.4 s at its first save) and must not outlive the rank. Our
+    saves are synchronous (`AsyncRequest.execute_sync`: the put and the get both happen in the rank); an
+    asynchronous save would need the cross-process queue back."""
+    import queue
+
     from megatron.core.dist_checkpointing.strategies import filesystem_async as fa
 
-    if getattr(fa._get_write_results_queue, "_megatron_rlhf", False):
-        return
-
-    def get_queue():
-        global _manager
-        if fa._results_queue is None:
-            from multiprocessing.managers import SyncManager
-
-            import torch.multiprocessing as mp
-
-            _manager = SyncManager(ctx=mp.get_context("spawn"))
-            _manager.start(initializer=_helper_init, initargs=(os.getpid(),))
-            fa._results_queue = _manager.Queue()
-        return fa._results_queue
-
-    get_queue._megatron_rlhf = True
-    fa._get_write_results_queue = get_queue
+    if fa._results_queue is None:
+        fa._results_queue = queue.Queue()
