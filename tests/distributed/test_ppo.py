@@ -3,7 +3,7 @@
 The session fixture `base` (conftest.py) trains a small SFT policy and a reward model through the CLI;
 the tests then run `megatron-rlhf ppo` on them: the true (gold) reward rises, iteration 1 is exact
 (KL 0, ratio 1), exact resume, TP=2 and PP=2 against TP=1 x DP=2, NaN steps skipped / K in a row stop,
-and GRPO with PPO-ptx at DP=2 (whole groups, no value model).
+and GRPO with PPO-ptx at DP=2 (whole groups, no value model, exact resume).
 """
 
 import json
@@ -114,16 +114,24 @@ def assert_same_metrics(a, c):
 
 def test_grpo_at_dp2_keeps_groups_whole_builds_no_value_model_and_mixes_ptx(base, tmp_path):
     """Critic-free GRPO (4 samples per prompt, k3 KL in the loss) with PPO-ptx on 2 data-parallel ranks. Every
-    iteration the trainer checks that each group's 4 rows share one prompt (`critic_free.check_groups_whole`)."""
+    iteration the trainer checks that each group's 4 rows share one prompt (`critic_free.check_groups_whole`).
+    Stopped after iteration 1 and resumed, it repeats the straight run exactly (no value model in the checkpoint)."""
     from torch.distributed.checkpoint import FileSystemReader
 
-    run = tmp_path / "grpo"
-    torchrun(CLI, *ppo_args(base, run, **{
+    run, resumed = tmp_path / "grpo", tmp_path / "grpo_resumed"
+    grpo = {
         "ppo.advantage_estimator": "grpo", "ppo.samples_per_prompt": 4, "ppo.rollout_batch_size": 16,
         "ppo.kl_in": "loss", "ppo.kl_estimator": "k3", "ppo.whiten_advantages": "false", "ppo.ptx_coef": 0.1,
         "ppo.ptx_data": base / "sft.jsonl", "ppo.iterations": 2, "ppo.eval_interval": 0, "ppo.eval_prompts": 32,
-        "checkpoint.save_interval": 0}), nproc=2, timeout=600)
+        "checkpoint.save_interval": 1}
+    torchrun(CLI, *ppo_args(base, run, **grpo), nproc=2, timeout=600)
+    torchrun(CLI, *ppo_args(base, resumed, **grpo, **{"train.exit_at_step": 1}), nproc=2, timeout=600)
+    assert max(rows(resumed)) == 1
+    torchrun(CLI, *ppo_args(base, resumed, **grpo), nproc=2, timeout=600)
     r = rows(run)
+    assert sorted(rows(resumed)) == sorted(r) == [0, 1, 2]
+    for step in r:  # bit-identical: policy, its optimizer, sampler cursor, ptx cursor and KL state restored
+        assert learning_metrics(rows(resumed)[step]) == learning_metrics(r[step]), step
     assert r[1]["ppo/kl_per_seq"] == 0.0 and r[1]["ppo/ratio_first_minibatch"] == 1.0  # still exact at iteration 1
     for step in (1, 2):
         assert 0 <= r[step]["ppo/group_flat_fraction"] <= 1 and r[step]["ppo/group_reward_std"] > 0
