@@ -189,7 +189,8 @@ def _plan_ppo(cfg, cluster, policy_arch, train_layout, trained_kw, act, notes) -
     gen_layout = Layout(gen_tp, 1)
     gen_dp = world // gen_tp
     policy.kv_cache = kv_cache_bytes(policy_arch, gen_tp, -(-ppo.rollout_batch_size // gen_dp), seq)  # ceil: redistribute.py
-    copy_generates = gen_layout != Layout(p.tp, p.pp, p.vpp) or cfg.rollout.engine == "vllm"
+    own_layout = gen_layout != Layout(p.tp, p.pp, p.vpp)
+    copy_generates = own_layout or cfg.rollout.engine == "vllm"
     if copy_generates:
         policy.generation_weights = params_per_gpu(policy_arch, gen_layout) * dtype_bytes(policy_arch.params_dtype)
     offload = ppo.offload_frozen
@@ -210,7 +211,7 @@ def _plan_ppo(cfg, cluster, policy_arch, train_layout, trained_kw, act, notes) -
         "rollout": policy.kv_cache + policy.generation_weights - in_host,
         "score": frozen_weights + max(reference.activations, reward.activations),
     }
-    if gen_layout != Layout(p.tp, p.pp, p.vpp) and cfg.rollout.tp is None:
+    if own_layout and cfg.rollout.tp is None:
         notes.append(f"training layout {train_layout} needs the hybrid engine's generation layout (rollout.tp)")
     return Plan("ppo", world, dp, [policy, value, reference, reward], phases, _usable(cluster), notes=notes)
 

@@ -38,7 +38,7 @@ import torch.distributed as dist
 
 from megatron_rlhf.rollout import redistribute as R
 from megatron_rlhf.rollout.base import RolloutEngine, SamplingParams
-from megatron_rlhf.rollout.megatron_engine import MegatronRolloutEngine, generate
+from megatron_rlhf.rollout.megatron_engine import MegatronRolloutEngine
 
 PLAN_ATTR = "_cached_reshard_plan"  # where megatron-core 0.16.1's reshard_model_weights keeps its plan
 PLAN_KEY_ATTR = "_megatron_rlhf_plan_key"  # what that plan was built for (ours)
@@ -267,7 +267,8 @@ class HybridRolloutEngine(RolloutEngine):
         self.layout = tp_only_layout(tp)
         self.model = build_in_layout(model_cfg, train_tp, self.layout)
         self.swap = WeightSwap(train_chunks, self.model)
-        self.eos_id, self.pad_id, self.vocab_size = eos_id, pad_id, vocab_size
+        self.decoder = MegatronRolloutEngine(self.model, eos_id=eos_id, pad_id=pad_id, vocab_size=vocab_size)
+        self.pad_id = pad_id
 
     def generate(self, prompt_ids, prompt_mask, sampling: SamplingParams, generator=None, uniforms=None):
         """This rank's training share of prompts [b, s] -> responses to them (base.py's dict, [b, T])."""
@@ -276,11 +277,8 @@ class HybridRolloutEngine(RolloutEngine):
         if self._copy_due():  # the weights of the latest optimizer step
             self.swap()
 
-        def decode(ids, mask, draws):
-            return generate(self.model, ids, prompt_mask=mask, max_new_tokens=sampling.max_new_tokens,
-                            eos_id=self.eos_id, pad_id=self.pad_id, vocab_size=self.vocab_size,
-                            temperature=sampling.temperature, greedy=sampling.greedy, generator=generator,
-                            uniforms=draws, top_k=sampling.top_k, top_p=sampling.top_p)
+        def decode(ids, mask, draws):  # the sampler on the copy
+            return self.decoder.generate(ids, mask, sampling, generator=generator, uniforms=draws)
 
         with released(self.train_chunks, self.release_device):  # the copy decodes; training's weights wait
             return generate_in_layout(self.layout, decode, prompt_ids, prompt_mask, uniforms, self.pad_id)

@@ -28,13 +28,13 @@ from megatron_rlhf.checkpoint import state as ckpt
 from megatron_rlhf.metrics import peak_memory_gib
 from megatron_rlhf.parallel import init
 from megatron_rlhf.ppo_config import check_ppo_layout, rollouts_per_iteration
-from megatron_rlhf.rollout.base import SamplingParams
 from megatron_rlhf.rollout.hybrid import make_rollout_engine
 from megatron_rlhf.rollout.offload import PhaseMemory, offloaded
 from megatron_rlhf.trainer import critic_free as cf
 from megatron_rlhf.trainer.doctor import Doctor
 from megatron_rlhf.trainer.experience import Frozen, rollout_stats, score_and_recompute
-from megatron_rlhf.trainer.ppo_eval import evaluate, generate, load_gold_scorer, sample_panel, summary, uniforms
+from megatron_rlhf.trainer.ppo_eval import (evaluate, generate, load_gold_scorer, ppo_sampling, sample_panel, summary,
+                                           uniforms)
 from megatron_rlhf.trainer.ppo_learn import SkipGuard, TrainingDiverged, learn
 from megatron_rlhf.trainer.ppo_models import build_ppo_models
 from megatron_rlhf.trainer.ptx import PtxBatches
@@ -176,8 +176,7 @@ def rollout(engine, prompts: List[List[int]], indices: List[int], cfg, iteration
     indices = cf.group_rows(indices, p.samples_per_prompt)
     share = slice(dp_rank * len(indices), (dp_rank + 1) * len(indices))
     draws = uniforms(cfg.train.seed, iteration, share, rollouts_per_iteration(p), p.max_new_tokens)
-    sampling = SamplingParams(p.max_new_tokens, p.temperature, top_k=p.top_k, top_p=p.top_p)
-    return generate(engine, [prompts[i] for i in indices], tokenizer, sampling, draws)
+    return generate(engine, [prompts[i] for i in indices], tokenizer, ppo_sampling(p), draws)
 
 
 def perf_stats(batch: Experience, seconds: float) -> Dict[str, float]:

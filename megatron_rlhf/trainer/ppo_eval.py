@@ -66,6 +66,11 @@ def uniforms(seed: int, iteration: int, rows: slice, total: int, max_new_tokens:
     return torch.rand(total, max_new_tokens, generator=g)[rows]
 
 
+def ppo_sampling(p, greedy: bool = False) -> SamplingParams:
+    """How the `ppo` config group samples: temperature, top-k / top-p, max new tokens."""
+    return SamplingParams(p.max_new_tokens, p.temperature, greedy=greedy, top_k=p.top_k, top_p=p.top_p)
+
+
 def generate(engine, prompt_rows: List[List[int]], tokenizer, sampling: SamplingParams,
              draws: Optional[torch.Tensor]) -> Experience:
     """Left-pad the prompts, generate, and assemble the rollout part of an Experience."""
@@ -89,9 +94,8 @@ def evaluate(engine, models: Dict[str, list], frozen: Frozen, prompts: List[List
     with engine.same_weights():  # one weight copy for both passes
         for mode in ("sample", "greedy"):
             greedy = mode == "greedy"
-            sampling = SamplingParams(p.max_new_tokens, p.temperature, greedy=greedy, top_k=p.top_k, top_p=p.top_p)
             draws = None if greedy else uniforms(cfg.train.seed + EVAL_SEED_OFFSET, 0, share, n, p.max_new_tokens)
-            exp = score_and_recompute(generate(engine, mine, tokenizer, sampling, draws), forward, frozen,
+            exp = score_and_recompute(generate(engine, mine, tokenizer, ppo_sampling(p, greedy), draws), forward, frozen,
                                       cfg.train.micro_batch_size, with_values=False)
             prefix = "eval/greedy_" if greedy else "eval/"
             for k, v in sequence_means(exp, gold_scores(gold, tokenizer, exp), dp_group).items():
