@@ -9,7 +9,10 @@ Layout under the checkpoint root:
 
 A checkpoint is written into `.tmp-step_XXXXXXXX`, renamed when every rank has finished, and
 only then does `latest` move (atomic `os.replace`). A crash at any point leaves the previous
-checkpoint valid and `latest` pointing to it. The last `keep_last` checkpoints are kept.
+checkpoint valid and `latest` pointing to it. The last `keep_last` checkpoints of this run are
+kept: each step directory records the stage and the run that wrote it (`run.json`), and pruning
+removes only older steps of the same run, so a directory shared by mistake never loses another
+run's checkpoints, nor the one just written.
 
 What is saved: each named model (all its chunks), each named optimizer (fully reshardable, so a
 run may resume under another layout) and scheduler, plus `extra`: any picklable state that is
@@ -18,8 +21,12 @@ the same on every rank (step, data cursor, KL controller, ...). RNG states are p
 
 from __future__ import annotations
 
+import errno
+import json
 import os
 import shutil
+import uuid
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Dict, List, Optional
 
@@ -36,6 +43,28 @@ from megatron_rlhf.checkpoint.damage import (  # noqa: F401 - CheckpointError is
 LATEST = "latest"
 _PREFIX = "step_"
 _TMP_PREFIX = ".tmp-"
+RUN_RECORD = "run.json"  # in each step directory: {"stage": ..., "run_id": ...}
+
+
+@dataclass(frozen=True)
+class RunRecord:
+    """Which stage (sft, rm, ppo, dpo) and which run wrote a checkpoint; a resumed run keeps its run_id."""
+
+    stage: str
+    run_id: str
+
+    @staticmethod
+    def new(stage: str) -> "RunRecord":
+        return RunRecord(stage, uuid.uuid4().hex)
+
+
+def read_run_record(step_dir: Path) -> Optional[RunRecord]:
+    """The record of a step directory; None for checkpoints written before records existed (or converted)."""
+    try:
+        raw = json.loads((Path(step_dir) / RUN_RECORD).read_text())
+        return RunRecord(str(raw["stage"]), str(raw["run_id"]))
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
 
 
 def _unwrap(chunk):
@@ -110,8 +139,12 @@ def save_checkpoint(
     schedulers: Dict[str, Any],
     extra: Dict[str, Any],
     keep_last: int = 2,
+    run: Optional[RunRecord] = None,
 ) -> Path:
-    """Write checkpoint `step` atomically on all ranks (collective). Returns the final directory."""
+    """Write checkpoint `step` atomically on all ranks (collective). Returns the final directory.
+
+    `run`: recorded in the step directory; pruning then removes only this run's older steps. A write that
+    fails on any rank (a full disk) removes the partial directory and raises CheckpointError on every rank."""
     from megatron.core import dist_checkpointing
 
     root = Path(root)
@@ -124,19 +157,86 @@ def save_checkpoint(
         tmp.mkdir(parents=True)
     _barrier()
     state = _sharded_state(models, optimizers, schedulers, dict(extra, step=step), is_loading=False)
-    dist_checkpointing.save(state, str(tmp))
-    (tmp / "rng").mkdir(exist_ok=True)
-    torch.save(_rng_state(), tmp / "rng" / f"rank{_rank():05d}.pt")
+    failure = None
+    try:
+        dist_checkpointing.save(state, str(tmp))
+        (tmp / "rng").mkdir(exist_ok=True)
+        torch.save(_rng_state(), tmp / "rng" / f"rank{_rank():05d}.pt")
+        if run is not None and _rank() == 0:
+            (tmp / RUN_RECORD).write_text(json.dumps({"stage": run.stage, "run_id": run.run_id}) + "\n")
+    except _load_failures() as e:  # CheckpointException is a BaseException
+        failure = e
     _fault_point("after_shards", step)
-    _barrier()
+    _raise_if_any_rank_failed(root, tmp, step, failure)
     if _rank() == 0:
         if final.exists():
             shutil.rmtree(final)
         os.replace(tmp, final)
         _write_latest(root, final.name)
-        _prune(root, keep_last)
+        _prune(root, keep_last, step, run)
     _barrier()
     return final
+
+
+def _no_space(e: Optional[BaseException]) -> bool:
+    """Whether a failed write ran out of disk: ENOSPC anywhere in the chain (DCP wraps it per rank), or the
+    torch zip writer's short write ("unexpected pos"), which is what a full disk looks like from inside it."""
+    seen, todo = set(), [e]
+    while todo:
+        x = todo.pop()
+        if x is None or id(x) in seen:
+            continue
+        seen.add(id(x))
+        if isinstance(x, OSError) and x.errno == errno.ENOSPC:
+            return True
+        if "No space left on device" in str(x) or "unexpected pos" in str(x):
+            return True
+        failures = getattr(x, "failures", None)
+        if isinstance(failures, dict):
+            todo += [f[0] if isinstance(f, tuple) else f for f in failures.values()]
+        todo += [x.__cause__, x.__context__]
+    return False
+
+
+def _raise_if_any_rank_failed(root: Path, tmp: Path, step: int, failure: Optional[BaseException]) -> None:
+    """Collective: if a rank's write failed, remove the partial `tmp` and raise one CheckpointError on every rank
+    (the previous checkpoint and `latest` are untouched)."""
+    from megatron_rlhf.checkpoint.damage import root_cause
+
+    mine = None
+    if failure is not None:
+        mine = ("no space" if _no_space(failure) or _free_bytes(root) < (1 << 20) else root_cause(failure))
+    reports = [mine]
+    if torch.distributed.is_initialized() and torch.distributed.get_world_size() > 1:
+        reports = [None] * torch.distributed.get_world_size()
+        torch.distributed.all_gather_object(reports, mine)
+    failed = [r for r in reports if r is not None]
+    if not failed:
+        return
+    if _rank() == 0:
+        shutil.rmtree(tmp, ignore_errors=True)  # a partial step would fill the disk for every rerun
+    _barrier()
+    previous = _latest_name(root)
+    kept = (f"{root / previous} is intact and a rerun resumes from it" if previous
+            else "no earlier checkpoint exists")
+    if "no space" in failed:
+        raise CheckpointError(f"no space left on {root} while saving step {step}; {kept}: free space there "
+                              "or set checkpoint.dir to a larger disk")
+    raise CheckpointError(f"saving step {step} to {root} failed ({failed[0]}); {kept}")
+
+
+def _free_bytes(path: Path) -> int:
+    try:
+        return shutil.disk_usage(path).free
+    except OSError:
+        return 1 << 40  # unknown: do not claim a full disk
+
+
+def _latest_name(root: Path) -> Optional[str]:
+    try:
+        return (root / LATEST).read_text().strip() or None
+    except OSError:
+        return None
 
 
 def _fault_point(name: str, step: int) -> None:
@@ -156,11 +256,16 @@ def _write_latest(root: Path, name: str) -> None:
     os.replace(tmp, root / LATEST)
 
 
-def _prune(root: Path, keep_last: int) -> None:
+def _prune(root: Path, keep_last: int, step: int, run: Optional[RunRecord]) -> None:
+    """Keep `keep_last` checkpoints of this run, the one of `step` (just written) among them: only older
+    steps written by the same run are removed, never a higher step or another run's."""
     if keep_last <= 0:
         return
-    done = sorted(p for p in root.iterdir() if p.is_dir() and p.name.startswith(_PREFIX))
-    for old in done[:-keep_last]:
+    just_written = step_dir_name(step)
+    mine = run.run_id if run is not None else None
+    older = sorted(p for p in root.iterdir() if p.is_dir() and p.name.startswith(_PREFIX) and p.name < just_written
+                   and getattr(read_run_record(p), "run_id", None) == mine)
+    for old in older[:max(0, len(older) - (keep_last - 1))]:
         shutil.rmtree(old, ignore_errors=True)
 
 

@@ -79,7 +79,8 @@ def run_stage(cfg, stage: Stage) -> Dict[str, float]:
 
     def save(at_step: int, more: Optional[dict] = None):
         ckpt.save_checkpoint(ckpt_root, at_step, models, optimizers, schedulers,
-                             {"data": sampler.state_dict(), **(more or {})}, keep_last=cfg.checkpoint.keep_last)
+                             {"data": sampler.state_dict(), **(more or {})}, keep_last=cfg.checkpoint.keep_last,
+                             run=ctx.run)
 
     forward_step = make_forward_step(stage.loss_fn, stage.model_kwargs)
     metrics = open_metrics(cfg, ctx, total_steps, step)

@@ -14,6 +14,8 @@ import json
 import os
 import signal
 from dataclasses import dataclass, replace
+from pathlib import Path
+from pathlib import Path
 from typing import Any, Callable, List, Optional, Sequence
 
 import torch
@@ -21,6 +23,8 @@ import torch
 from megatron_rlhf import config as C
 from megatron_rlhf import config_io
 from megatron_rlhf import data as D
+from megatron_rlhf.checkpoint import run_dir
+from megatron_rlhf.checkpoint import run_dir
 from megatron_rlhf.checkpoint import state as ckpt
 from megatron_rlhf.models.build import build_model
 from megatron_rlhf.parallel import init
@@ -41,6 +45,8 @@ class RunContext:
     log: Optional[Callable[[str], None]]  # print on rank 0, None elsewhere
     tokenizer: Any
     ckpt_root: str
+    run: ckpt.RunRecord  # stage + run id, recorded in each checkpoint; a resumed run takes its checkpoint's id
+    run: ckpt.RunRecord  # stage + run id, recorded in each checkpoint; a resumed run takes its checkpoint's id
 
 
 @dataclass
@@ -69,13 +75,36 @@ def start_run(cfg, check_batch: Callable[[int], Any]) -> RunContext:
     from megatron.core import parallel_state as ps
 
     rank0 = torch.distributed.get_rank() == 0
+    _lock_run_dirs(cfg, rank0)
+    _lock_run_dirs(cfg, rank0)
     tokenizer = D.load_tokenizer(cfg.tokenizer.path)
     D.check_vocab(tokenizer, model_cfg.vocab_size)
     return RunContext(
         model_cfg=model_cfg, world=world, dp_size=dp_size, dp_rank=ps.get_data_parallel_rank(), rank0=rank0,
         log=print if rank0 else None, tokenizer=tokenizer,
         ckpt_root=cfg.checkpoint.dir or f"{cfg.logging.run_dir}/checkpoints",
+        run=ckpt.RunRecord.new(stage_of(cfg)),
     )
+
+
+def stage_of(cfg) -> str:
+    """The stage a config belongs to (its command: sft, rm, ppo, dpo), as checkpoints record it."""
+    return type(cfg).__name__.removesuffix("Config").lower()
+
+
+def _lock_run_dirs(cfg, rank0: bool) -> None:
+    """Rank 0 locks the run directory (and checkpoint.dir when set apart) for the run's lifetime; every rank
+    raises the same one line when another run holds either. Collective."""
+    busy = None
+    if rank0:
+        busy = run_dir.lock_dir(cfg.logging.run_dir, "logging.run_dir")
+        if busy is None and cfg.checkpoint.dir:
+            busy = run_dir.lock_dir(cfg.checkpoint.dir, "checkpoint.dir")
+    message = [busy]
+    if torch.distributed.get_world_size() > 1:
+        torch.distributed.broadcast_object_list(message, src=0)
+    if message[0]:
+        raise C.ConfigError(message[0])
 
 
 def build_frozen(cfg, ctx: RunContext, head: str, load: Optional[str], source_name: str, *,
@@ -101,14 +130,26 @@ def build_trainable(cfg, ctx: RunContext, head: str, load: Optional[str], source
 
 
 def resume_point(cfg, ctx: RunContext):
-    """The checkpoint directory to resume from, or None (fresh start); honours `checkpoint.resume`."""
-    if cfg.checkpoint.resume == "never":
-        return None
-    root = cfg.checkpoint.load or ctx.ckpt_root
-    found = ckpt.latest_checkpoint(root)
-    if cfg.checkpoint.resume == "required" and found is None:
-        raise ckpt.CheckpointError(f"checkpoint.resume=required but {root} has no checkpoint")
-    return found
+    """The checkpoint directory to resume from, or None (fresh start); honours `checkpoint.resume`.
+
+    Resuming continues the run id of the checkpoint; only this stage's checkpoints are resumed from, and a
+    fresh start refuses a directory holding checkpoints (unless checkpoint.overwrite moves them aside)."""
+    key = "checkpoint.dir" if cfg.checkpoint.dir else "logging.run_dir"
+    found = None
+    if cfg.checkpoint.resume != "never":
+        root = cfg.checkpoint.load or ctx.ckpt_root
+        found = ckpt.latest_checkpoint(root)
+        if cfg.checkpoint.resume == "required" and found is None:
+            raise ckpt.CheckpointError(f"checkpoint.resume=required but {root} has no checkpoint")
+    if found is not None:
+        record = run_dir.check_resumable(found, ctx.run.stage, "checkpoint.load" if cfg.checkpoint.load else key)
+        if record is not None:
+            ctx.run = record
+        return found
+    overwrite = getattr(cfg.checkpoint, "overwrite", False)
+    run_dir.check_fresh_start(Path(ctx.ckpt_root), ctx.run.stage, key, overwrite, ctx.rank0, ctx.log)
+    torch.distributed.barrier()  # rank 0 has moved the old checkpoints aside before anyone writes
+    return None
 
 
 def record_run(cfg, ctx: RunContext) -> None:
