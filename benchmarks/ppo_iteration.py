@@ -4,7 +4,7 @@
 
 Reference shape (issue "Stage 3, PPO end to end"): Llama hidden 128, 4 layers, 4 heads, 2 query groups,
 FFN 352, vocab 512, fp32; 16 prompts of 8-16 random tokens; 64 new tokens (EOS never ends a response);
-2 minibatches x 4 epochs; one rank. An iteration is exactly the phases `trainer/ppo.py:fit` runs:
+2 minibatches x 4 epochs; one rank. An iteration is exactly the phases `trainer/ppo/fit.py:fit` runs:
 rollout (Megatron KV-cache sampler) -> score_and_recompute (RM, policy, reference, value forwards) ->
 estimate_advantages -> learn (policy and value optimizer steps through Megatron's schedule).
 
@@ -40,9 +40,7 @@ import torch  # noqa: E402
 
 import trl_reference  # noqa: E402  (benchmarks/ is on sys.path when this file runs as a script)
 
-SHAPE = dict(num_layers=4, hidden_size=128, ffn_hidden_size=352, num_attention_heads=4, num_query_groups=2,
-             vocab_size=512, max_position_embeddings=512)
-PROMPTS, EPOCHS, MINIBATCHES = 16, 4, 2
+from shapes import EPOCHS, MINIBATCHES, PROMPTS, SHAPE, random_prompts  # noqa: E402
 
 
 @dataclass
@@ -91,9 +89,9 @@ def setup():
 
 
 def build(model_cfg, parallel, max_new_tokens: int):
-    from megatron_rlhf.config import TrainConfig
+    from megatron_rlhf.config.schema import TrainConfig
     from megatron_rlhf.models.build import build_model
-    from megatron_rlhf.ppo_config import PPOSection
+    from megatron_rlhf.config.ppo import PPOSection
     from megatron_rlhf.trainer.optim import build_optimizer, wrap_ddp
     from megatron_rlhf.trainer.run import Trainable
 
@@ -111,11 +109,11 @@ def build(model_cfg, parallel, max_new_tokens: int):
 
 
 def iteration(cfg, engine, policy, value, models, prompts, it: int, timer: dict):
-    from megatron_rlhf.batch import build_experience
+    from megatron_rlhf.trainer.ppo.batch import build_experience
     from megatron_rlhf.rollout.base import SamplingParams
-    from megatron_rlhf.trainer.experience import Frozen, estimate_advantages, score_and_recompute
-    from megatron_rlhf.trainer.ppo_eval import uniforms
-    from megatron_rlhf.trainer.ppo_learn import SkipGuard, learn
+    from megatron_rlhf.trainer.ppo.experience import Frozen, estimate_advantages, score_and_recompute
+    from megatron_rlhf.trainer.ppo.eval import uniforms
+    from megatron_rlhf.trainer.ppo.learn import SkipGuard, learn
 
     p = cfg.ppo
     marks = [time.perf_counter()]
@@ -135,18 +133,6 @@ def iteration(cfg, engine, policy, value, models, prompts, it: int, timer: dict)
     for name, a, b in zip(("rollout", "score", "advantages", "train"), marks, marks[1:]):
         timer[name] = timer.get(name, 0.0) + b - a
     return marks[-1] - marks[0]
-
-
-def random_prompts(seed: int = 0):
-    g = torch.Generator().manual_seed(seed)
-    lengths = torch.randint(8, 17, (PROMPTS,), generator=g)
-    width = int(lengths.max())
-    ids = torch.zeros(PROMPTS, width, dtype=torch.long)
-    mask = torch.zeros(PROMPTS, width, dtype=torch.bool)
-    for i, n in enumerate(lengths.tolist()):
-        ids[i, width - n:] = torch.randint(1, SHAPE["vocab_size"], (n,), generator=g)
-        mask[i, width - n:] = True
-    return ids, mask
 
 
 KERNELS = ("aten::mm", "aten::addmm", "aten::bmm", "aten::_scaled_dot_product_flash_attention_for_cpu",

@@ -85,7 +85,7 @@ def to_hf(model, cfg: ModelConfig):
     """The same weights as a `transformers.LlamaForCausalLM` (fp32, eval)."""
     import transformers as tr
 
-    from megatron_rlhf.checkpoint.hf import hf_config_from_model_config
+    from megatron_rlhf.models.hf_config import hf_config_from_model_config
     from megatron_rlhf.models.hf_mapping import iter_hf_weights
 
     hf_cfg = {k: v for k, v in hf_config_from_model_config(cfg).items() if k != "model_type"}

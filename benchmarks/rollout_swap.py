@@ -89,7 +89,8 @@ def main(argv=None) -> int:
     from megatron_rlhf.parallel.layout import ParallelConfig
     from megatron.core.resharding import execute_reshard_plan
 
-    from megatron_rlhf.rollout.hybrid import PLAN_ATTR, WeightSwap, build_in_layout, tp_only_layout
+    from megatron_rlhf.rollout.hybrid import PLAN_ATTR, WeightSwap
+    from megatron_rlhf.rollout.layout import build_in_layout, tp_only_layout
 
     cfg = model_config(args.hidden)
     train = ParallelConfig(tp=2)

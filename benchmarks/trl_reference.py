@@ -89,7 +89,7 @@ if __name__ == "__main__":
     import sys
 
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-    from ppo_iteration import EPOCHS, MINIBATCHES, PROMPTS, SHAPE, random_prompts
+    from shapes import EPOCHS, MINIBATCHES, PROMPTS, SHAPE, random_prompts
 
     ids, mask = random_prompts()
     rows = [ids[i][mask[i]].tolist() for i in range(PROMPTS)]

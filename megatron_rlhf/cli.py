@@ -28,8 +28,8 @@ import warnings
 from dataclasses import dataclass
 from typing import Callable, Optional, Sequence
 
-from megatron_rlhf import config as C
-from megatron_rlhf import config_io
+from megatron_rlhf.config import schema as C
+from megatron_rlhf.config import io as config_io
 
 
 @dataclass(frozen=True)
@@ -42,23 +42,23 @@ class Command:
 COMMANDS = {
     "sft": Command("supervised fine-tuning on demonstrations (stage 1)", "megatron_rlhf.trainer.sft:run", C.SFTConfig),
     "rm": Command("Bradley-Terry reward model on preference pairs (stage 2)", "megatron_rlhf.trainer.rm:run", C.RMConfig),
-    "ppo": Command("PPO against the reward model, KL-penalised to the SFT policy (stage 3)", "megatron_rlhf.trainer.ppo:run", C.PPOConfig),
-    "dpo": Command("DPO on preference pairs against the frozen SFT policy (offline; no reward model)", "megatron_rlhf.trainer.dpo:run", C.DPOConfig),
+    "ppo": Command("PPO against the reward model, KL-penalised to the SFT policy (stage 3)", "megatron_rlhf.trainer.ppo.fit:run", C.PPOConfig),
+    "dpo": Command("DPO on preference pairs against the frozen SFT policy (offline; no reward model)", "megatron_rlhf.trainer.dpo.fit:run", C.DPOConfig),
     "convert": Command("HF <-> Megatron checkpoints: convert hf-to-megatron|megatron-to-hf ...", "megatron_rlhf.checkpoint.convert_cli:main"),
     "prepare-tiny": Command("write the tiny sort-digits task (tokenizer + jsonl)", "megatron_rlhf.tasks.sort_digits:main"),
     "launch": Command("run N ranks of a command on this node: launch --nproc-per-node N sft CONFIG.yaml ...", "megatron_rlhf.launch:main"),
     "plan": Command("memory/layout plan of a stage before submitting: plan CONFIG.yaml [key=value ...] [--json]", "megatron_rlhf.plan.cli:main"),
     "submit": Command("Slurm job of a stage, planned first: submit ppo CONFIG.yaml --cluster C.yaml [--dryrun]", "megatron_rlhf.slurm.submit:main"),
-    "tiny-pairs": Command("preference pairs for the tiny task from two SFT-policy samples per prompt", "megatron_rlhf.tasks.sft_pairs:main"),
+    "tiny-pairs": Command("preference pairs for the tiny task from two SFT-policy samples per prompt", "megatron_rlhf.trainer.pairs:main"),
 }
 
 
 # Exceptions that mean bad input: reported as one line, exit code 2, no traceback. Evaluated when an
 # exception is being matched, from the modules loaded by then: an error class whose module was never
-# imported cannot have been raised, and importing data.py (torch) just to name DataError takes seconds.
+# imported cannot have been raised, and importing data/dataset.py (torch) just to name DataError takes seconds.
 _USER_ERRORS = (
-    ("megatron_rlhf.config", "ConfigError"),
-    ("megatron_rlhf.data", "DataError"),
+    ("megatron_rlhf.config.schema", "ConfigError"),
+    ("megatron_rlhf.data.dataset", "DataError"),
     ("megatron_rlhf.parallel.layout", "LayoutError"),
     ("megatron_rlhf.models.spec", "UnsupportedModelError"),
     ("megatron_rlhf.checkpoint.damage", "CheckpointError"),  # no checkpoint with resume=required, damage, ...

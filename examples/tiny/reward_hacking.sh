@@ -21,7 +21,7 @@ megatron-rlhf launch --nproc-per-node "$NPROC" ppo examples/tiny/ppo.yaml \
   ppo.beta=0 train.lr=3e-4 ppo.iterations=50 "$@"
 python - <<'PY'
 import json
-from megatron_rlhf.metrics import read_jsonl
+from megatron_rlhf.trainer.metrics import read_jsonl
 rows = read_jsonl("runs/tiny/ppo_hacked/metrics.jsonl")
 for r in rows:
     if "eval/gold_score" in r:

@@ -29,7 +29,7 @@ megatron-rlhf launch --nproc-per-node "$NPROC" ppo examples/tiny/ppo.yaml "$@"
 python - <<'PY'
 import json
 import os
-from megatron_rlhf.metrics import read_jsonl
+from megatron_rlhf.trainer.metrics import read_jsonl
 sft = [r for r in read_jsonl("runs/tiny/sft/metrics.jsonl") if "eval/loss" in r][-1]
 rm = [r for r in read_jsonl("runs/tiny/rm/metrics.jsonl") if "eval/accuracy" in r][-1]
 s = json.load(open("runs/tiny/ppo/summary.json"))

@@ -18,7 +18,7 @@ Output is built in a temporary sibling directory and renamed into place when com
 
 Also here: loading HF or converted checkpoints into a live (sharded) model, and saving a live model
 as an HF directory. The command lines (`hf_to_megatron_main(argv)`, `megatron_to_hf_main(argv)`,
-`main(argv)`) are in checkpoint/convert_cli.py and can still be imported from here.
+`main(argv)`) are in checkpoint/convert_cli.py.
 """
 
 from __future__ import annotations
@@ -44,11 +44,11 @@ from megatron_rlhf.checkpoint.hf_io import (
     HFShardWriter,
     atomic_output_dir,
     copy_tokenizer_files,
-    dtype_name,
     read_config_json,
 )
 from megatron_rlhf.checkpoint.out_dir import check_not_input, check_output_dir
 from megatron_rlhf.models import hf_mapping as hm
+from megatron_rlhf.models.hf_config import hf_config_for_export
 from megatron_rlhf.models.hf_mapping import ConversionError
 from megatron_rlhf.models.spec import ModelConfig, UnsupportedModelError, model_config_from_hf
 
@@ -255,59 +255,6 @@ def iter_checkpoint_hf_tensors(
         del t
 
 
-def hf_config_from_model_config(cfg: ModelConfig) -> dict:
-    """A config.json for `cfg` when the original HF config is unknown (e.g. a model made in training)."""
-    rope = cfg.rope_scaling or {}
-    rope_params = {"rope_type": rope.get("type", "default"), "rope_theta": cfg.rotary_base}
-    if rope.get("type") == "llama3":
-        rope_params.update(
-            factor=rope["factor"], low_freq_factor=1.0, high_freq_factor=4.0, original_max_position_embeddings=8192
-        )
-    elif rope.get("type") == "linear":
-        rope_params.update(factor=rope["factor"])
-    out = {
-        "model_type": cfg.family,
-        "hidden_size": cfg.hidden_size,
-        "intermediate_size": cfg.ffn_hidden_size,
-        "num_hidden_layers": cfg.num_layers,
-        "num_attention_heads": cfg.num_attention_heads,
-        "num_key_value_heads": cfg.num_query_groups,
-        "head_dim": cfg.head_dim,
-        "vocab_size": cfg.vocab_size,
-        "max_position_embeddings": cfg.max_position_embeddings,
-        "rms_norm_eps": cfg.norm_epsilon,
-        "initializer_range": cfg.init_method_std,
-        "hidden_act": "silu",
-        "tie_word_embeddings": cfg.tie_embeddings,
-        "rope_parameters": rope_params,
-    }
-    if cfg.family == "llama":
-        out.update(attention_bias=cfg.add_qkv_bias, mlp_bias=False)
-    if cfg.family == "mistral":
-        out["sliding_window"] = cfg.sliding_window
-    if cfg.family == "qwen2":
-        # max_window_layers=0: the window applies from layer 0 on, as in Megatron (transformers' default is 28).
-        out.update(use_sliding_window=cfg.sliding_window is not None, sliding_window=cfg.sliding_window,
-                   max_window_layers=0)
-    return out
-
-
-def hf_config_for_export(cfg: ModelConfig, head: str, dtype: torch.dtype, base: Optional[dict]) -> dict:
-    """The config.json to write: the source's config (if known) with architecture and dtype updated."""
-    out = dict(base) if base else hf_config_from_model_config(cfg)
-    prefix = hm.FAMILY_CLASS_PREFIX[cfg.family]
-    if hm.normalize_head(head) == "lm":
-        out["architectures"] = [prefix + "ForCausalLM"]
-    else:
-        out["architectures"] = [prefix + "ForSequenceClassification"]
-        out["id2label"], out["label2id"] = {"0": "LABEL_0"}, {"LABEL_0": 0}  # one score per sequence
-    out.pop("torch_dtype", None)
-    out["dtype"] = dtype_name(dtype)
-    if not base:
-        out["tie_word_embeddings"] = cfg.tie_embeddings
-    return out
-
-
 def write_hf_dir(
     out_dir: Path,
     named_tensors: Iterable[Tuple[str, torch.Tensor]],
@@ -455,12 +402,3 @@ def save_hf_from_model(
     dtype = next(iter(hm.named_global_parameters(model_chunks).values())).dtype
     with atomic_output_dir(Path(out), overwrite) as tmp:
         write_hf_dir(tmp, stream, cfg, head, dtype, hf_config=hf_config, max_shard_bytes=max_shard_bytes)
-
-
-def __getattr__(name: str):
-    """The command lines live in checkpoint/convert_cli.py (imported on first use: it imports this module)."""
-    if name in ("main", "hf_to_megatron_main", "megatron_to_hf_main"):
-        from megatron_rlhf.checkpoint import convert_cli
-
-        return getattr(convert_cli, name)
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

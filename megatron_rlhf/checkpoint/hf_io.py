@@ -51,10 +51,6 @@ _ST_DTYPES = {
 _ST_DTYPES_REV = {v: k for k, v in _ST_DTYPES.items()}
 
 
-def dtype_name(dtype: torch.dtype) -> str:
-    return str(dtype).replace("torch.", "")
-
-
 @contextlib.contextmanager
 def atomic_output_dir(out: Path, overwrite: bool) -> Iterator[Path]:
     """Yield a temp dir next to `out`; on success it becomes `out` (replacing it if `overwrite`).

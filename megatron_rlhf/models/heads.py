@@ -13,6 +13,11 @@ from megatron.core.tensor_parallel import gather_from_sequence_parallel_region
 from megatron.core.transformer.module import MegatronModule
 
 
+def last_token_scores(output: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
+    """output [n, s, 1] per-token scores, lengths [n] -> [n] score at position lengths-1."""
+    return output.squeeze(-1).gather(1, (lengths - 1).clamp(min=0).unsqueeze(1)).squeeze(1).float()
+
+
 class ScalarHead(MegatronModule):
     """hidden [s, b, h] -> score [s, b, 1]; replicated on every TP rank (it is tiny)."""
 

@@ -8,13 +8,12 @@ tied or untied embeddings. The Transformer Engine layer spec is used when TE and
 from __future__ import annotations
 
 import dataclasses
-import importlib.util
 from dataclasses import dataclass
 from typing import Any, Mapping, Optional
 
 from megatron_rlhf.parallel.layout import Fp8Config, ParallelConfig
 
-# torch is imported inside the functions that need it: config.py (and so `megatron-rlhf --help`)
+# torch is imported inside the functions that need it: config/schema.py (and so `megatron-rlhf --help`)
 # imports this module, and importing torch takes seconds.
 
 SUPPORTED_ARCHITECTURES = {
@@ -190,14 +189,9 @@ def model_config_from_hf(hf_config: Any) -> tuple[ModelConfig, str]:
     return cfg, head
 
 
-def transformer_engine_available() -> bool:
-    """TE is usable only when it is installed and CUDA is present."""
-    import torch
-
-    return torch.cuda.is_available() and importlib.util.find_spec("transformer_engine") is not None
-
-
 def use_te_spec() -> bool:
+    from megatron_rlhf.parallel.cpu import transformer_engine_available  # torch: loaded when a model is built
+
     return transformer_engine_available()
 
 
@@ -208,7 +202,7 @@ def layer_spec(te: Optional[bool] = None):
     `te=True` (FP8 runs) insists on Transformer Engine: FP8 never silently becomes a bf16 run."""
     from megatron.core.models.gpt import gpt_layer_specs
 
-    if te and not transformer_engine_available():
+    if te and not use_te_spec():
         from megatron_rlhf.parallel.layout import LayoutError
 
         raise LayoutError("FP8 needs the Transformer Engine layer spec, but CUDA or Transformer Engine is missing: "

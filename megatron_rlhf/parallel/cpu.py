@@ -47,6 +47,8 @@ from __future__ import annotations
 import contextlib
 import importlib
 import importlib.metadata
+import importlib.util
+import resource
 import types
 from typing import Any, Tuple
 
@@ -59,6 +61,19 @@ _enabled = False
 
 def cuda_available() -> bool:
     return torch.cuda.is_available()
+
+
+def transformer_engine_available() -> bool:
+    """TE is usable only when it is installed and CUDA is present."""
+    return torch.cuda.is_available() and importlib.util.find_spec("transformer_engine") is not None
+
+
+def peak_memory_gib() -> float:
+    """Peak memory of this process in GiB: CUDA allocator peak on GPU, peak resident set on CPU."""
+    if torch.cuda.is_available():
+        return torch.cuda.max_memory_allocated() / 2**30
+    # Linux reports ru_maxrss in KiB
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
 
 
 # Megatron functions whose code names CUDA, as (module, qualified name). Found by logging, with a

@@ -16,6 +16,11 @@ class LayoutError(ValueError):
 RECOMPUTE_CHOICES = (None, "selective", "full")
 
 
+# Gradients accumulate and are reduced in an fp32 buffer whatever the parameter dtype (4 bytes per
+# parameter): the DDP setting of trainer/optim.py, which the memory planner (plan/memory.py) counts.
+GRAD_REDUCE_IN_FP32 = True
+
+
 @dataclass
 class ParallelConfig:
     """How one model is split over the world.
@@ -102,7 +107,7 @@ def validate_layout(
         )
     if p.sequence_parallel:
         if te_available is None:
-            from megatron_rlhf.models.spec import transformer_engine_available
+            from megatron_rlhf.parallel.cpu import transformer_engine_available
 
             te_available = transformer_engine_available()
         if not te_available:  # megatron-core's local spec norm (WrappedTorchNorm) asserts on it, deep in the build
@@ -122,7 +127,7 @@ def validate_layout(
                 f"fp8.format={fp8.format!r} needs CUDA, and none is available: set fp8.format=null"
             )
         if te_available is None:
-            from megatron_rlhf.models.spec import transformer_engine_available
+            from megatron_rlhf.parallel.cpu import transformer_engine_available
 
             te_available = transformer_engine_available()
         if not te_available:

@@ -25,8 +25,8 @@ def load_for_plan(stage: str, yaml_path: Optional[str], overrides: Sequence[str]
     """The stage's config (defaults <- YAML <- overrides, keys and types checked) without the checks of
     paths that exist only on the cluster; the architecture comes from model.hf_config / model.load when
     they exist here, from the inline model.* fields otherwise."""
-    from megatron_rlhf import config as C
-    from megatron_rlhf import config_io
+    from megatron_rlhf.config import schema as C
+    from megatron_rlhf.config import io as config_io
 
     cls = {"sft": C.SFTConfig, "rm": C.RMConfig, "ppo": C.PPOConfig}[stage]
     cfg, explicit = config_io.structured(cls, yaml_path, overrides)

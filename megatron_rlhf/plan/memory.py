@@ -28,6 +28,7 @@ from dataclasses import asdict, dataclass
 from typing import Optional
 
 from megatron_rlhf.models.spec import ModelConfig
+from megatron_rlhf.parallel.layout import GRAD_REDUCE_IN_FP32
 from megatron_rlhf.plan.params import Layout, params_per_gpu
 
 FP8_CACHE_BYTES = 2  # FP8 weight + transpose kept by Transformer Engine for each trained parameter
@@ -44,7 +45,7 @@ def state_bytes_per_param(params_dtype: str, trained: bool, dp: int = 1, distrib
     if not trained:
         return float(w), 0.0, 0.0
     if grad_fp32 is None:
-        from megatron_rlhf.trainer.optim import GRAD_REDUCE_IN_FP32 as grad_fp32
+        grad_fp32 = GRAD_REDUCE_IN_FP32
     grads = 4 if grad_fp32 else w
     optimizer = (4 if w == 2 else 0) + 8  # fp32 master copy (16-bit params only) + Adam m and v
     if distributed_optimizer:

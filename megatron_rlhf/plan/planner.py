@@ -28,7 +28,7 @@ from megatron_rlhf.parallel.layout import LayoutError, validate_layout
 from megatron_rlhf.plan.memory import (Activations, ModelMemory, activation_bytes, dtype_bytes, inference_bytes,
                                        kv_cache_bytes, model_memory)
 from megatron_rlhf.plan.params import Layout, params_per_gpu
-from megatron_rlhf.rollout_config import generation_tp
+from megatron_rlhf.config.rollout import generation_tp
 
 GIB = 1024**3
 
@@ -102,7 +102,7 @@ def _phase_what(phase: str) -> str:
 def _arch(path: Optional[str], default: ModelConfig) -> ModelConfig:
     """The architecture saved with a checkpoint (reward/value model), or `default` when unknown."""
     if path:
-        from megatron_rlhf.config import read_model_config
+        from megatron_rlhf.config.schema import read_model_config
 
         try:
             found = read_model_config(path)
@@ -116,7 +116,7 @@ def _arch(path: Optional[str], default: ModelConfig) -> ModelConfig:
 
 def check_layouts(cfg, stage: str, world: int) -> None:
     """Every divisibility the stage needs (LayoutError / ConfigError, one line each)."""
-    from megatron_rlhf.config import check_batch_layout
+    from megatron_rlhf.config.schema import check_batch_layout
 
     m, p = cfg.model, cfg.parallel
     validate_layout(p, world, num_layers=m.num_layers, num_attention_heads=m.num_attention_heads,
@@ -125,7 +125,7 @@ def check_layouts(cfg, stage: str, world: int) -> None:
     if stage != "ppo":
         check_batch_layout(cfg.train, dp)
         return
-    from megatron_rlhf.ppo_config import check_ppo_layout
+    from megatron_rlhf.config.ppo import check_ppo_layout
 
     check_ppo_layout(cfg, dp)  # the PPO stage's own check at start: the plan accepts what the run accepts
 
@@ -197,7 +197,7 @@ def _plan_ppo(cfg, cluster, policy_arch, train_layout, trained_kw, act, notes) -
     reward.resident = not offload
     reference.resident = not (offload or swap_reference)
     if swap_reference:
-        reference.weights = 0.0  # host copies (trainer/reference_swap.py), one parameter of device scratch
+        reference.weights = 0.0  # host copies (trainer/ppo/reference_swap.py), one parameter of device scratch
         notes.append("ppo.reference_mode=swap: the reference weights wait in host memory and run in the policy's model")
     frozen_weights = max(reference.weights, reward.weights) if offload else 0.0
     # During the rollout, gradients and optimizer state of both trained models wait in host memory
@@ -246,7 +246,7 @@ def _with(cfg, changes: dict):
 
 def suggest_change(cfg, stage: str, cluster: Cluster) -> str:
     """The first single change (cheapest first) under which the plan fits, as an override to type."""
-    from megatron_rlhf.fields import ConfigError
+    from megatron_rlhf.config.fields import ConfigError
 
     for text, changes, new_cluster in _candidates(cfg, stage, cluster):
         try:

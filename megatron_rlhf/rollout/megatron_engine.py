@@ -111,7 +111,7 @@ def generate_for_prompts(model: Model, examples: Sequence[dict], tokenizer, *, v
                          max_new_tokens: int, temperature: float = 1.0, generator=None, seed=None) -> Dict[str, torch.Tensor]:
     """`generate` for tokenised prompt rows (`data.load_examples("prompt", ...)`: `prompt_ids`),
     left-padded with `collate.collate_prompts`, ending at the tokenizer's EOS."""
-    from megatron_rlhf.collate import collate_prompts
+    from megatron_rlhf.data.collate import collate_prompts
 
     batch = collate_prompts(examples, pad_id=tokenizer.pad_token_id)
     return generate(model, batch["input_ids"], prompt_mask=batch["attention_mask"], max_new_tokens=max_new_tokens,

@@ -35,7 +35,7 @@ from typing import Dict, Iterable, Iterator, List, Optional
 
 import torch
 
-from megatron_rlhf.metrics import peak_memory_gib
+from megatron_rlhf.parallel.cpu import peak_memory_gib
 
 
 def _device_type() -> Optional[str]:

@@ -21,25 +21,18 @@ line before any work.
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
 from typing import Dict, Iterable, List, Optional, Sequence, Tuple
 
 import torch
 
+from megatron_rlhf.config.rollout import require_vllm
+from megatron_rlhf.models.hf_config import hf_config_for_export
+from megatron_rlhf.models.hf_mapping import iter_hf_weights
 from megatron_rlhf.rollout.base import RolloutEngine, SamplingParams
-
-
-def require_vllm() -> None:
-    """One-line ConfigError when vLLM cannot run here: no CUDA device, or the vllm package missing."""
-    from megatron_rlhf.fields import ConfigError
-
-    if not torch.cuda.is_available():
-        raise ConfigError("rollout.engine=vllm needs CUDA GPUs and none is visible: use rollout.engine=megatron on CPU")
-    if importlib.util.find_spec("vllm") is None:
-        raise ConfigError("rollout.engine=vllm needs the vllm package, which is not installed: "
-                          "pip install vllm, or use rollout.engine=megatron")
+from megatron_rlhf.rollout.layout import Layout, generate_in_layout
+from megatron_rlhf.rollout.offload import released
 
 
 def buckets(named_tensors: Iterable[Tuple[str, torch.Tensor]], bucket_bytes: int) -> Iterable[List[Tuple[str, torch.Tensor]]]:
@@ -82,9 +75,6 @@ class VLLMRolloutEngine(RolloutEngine):
         import torch.distributed as dist
         from vllm import LLM
 
-        from megatron_rlhf.checkpoint.hf import hf_config_for_export
-        from megatron_rlhf.rollout.hybrid import Layout
-
         world, rank = dist.get_world_size(), dist.get_rank()
         self.layout = Layout(tp, world // tp, rank % tp, rank // tp, None)
         self.train_chunks, self.model_cfg, self.release_device = train_chunks, model_cfg, release_device
@@ -111,9 +101,6 @@ class VLLMRolloutEngine(RolloutEngine):
             self.llm.apply_model(lambda model, b=bucket: model.load_weights(weights=b))
 
     def generate(self, prompt_ids, prompt_mask, sampling: SamplingParams, generator=None, uniforms=None):
-        from megatron_rlhf.models.hf_mapping import iter_hf_weights
-        from megatron_rlhf.rollout.hybrid import generate_in_layout
-        from megatron_rlhf.rollout.offload import released
 
         self.llm.wake_up(tags=["weights"])
         if self._copy_due():  # sleep level 1 kept the last weights in host memory: within same_weights, reuse them

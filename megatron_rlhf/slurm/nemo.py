@@ -21,7 +21,7 @@ def _nemo_run():
     try:
         import nemo_run
     except ImportError as e:
-        from megatron_rlhf.fields import ConfigError
+        from megatron_rlhf.config.fields import ConfigError
 
         raise ConfigError(f"--backend nemo-run needs nemo-run ({e}): pip install -e '.[slurm]', "
                           "or use --backend plain") from None

@@ -20,7 +20,7 @@ import sys
 import tempfile
 from typing import Sequence
 
-from megatron_rlhf.fields import ConfigError
+from megatron_rlhf.config.fields import ConfigError
 from megatron_rlhf.slurm import sbatch
 from megatron_rlhf.slurm.cluster import load_cluster
 

@@ -12,17 +12,16 @@ from typing import Dict
 
 import torch
 
-from megatron_rlhf import data as D
+from megatron_rlhf.data import dataset as D
 from megatron_rlhf.checkpoint import state as ckpt
-from megatron_rlhf.collate import pad_sequences
+from megatron_rlhf.data.collate import pad_sequences
 from megatron_rlhf.models.build import build_model
+from megatron_rlhf.models.heads import last_token_scores
 from megatron_rlhf.rollout.megatron_engine import generate_for_prompts
 from megatron_rlhf.trainer.step import make_forward_step, reduce_stats, run_schedule
 
 
 def _score_stats(output, batch):
-    from megatron_rlhf.trainer.rm import last_token_scores
-
     scores = last_token_scores(output, batch["lengths"])
     n = torch.tensor(float(scores.numel()))
     zero = torch.zeros(())

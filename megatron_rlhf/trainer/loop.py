@@ -12,12 +12,12 @@ from typing import Callable, Dict, List, Optional
 
 import torch
 
-from megatron_rlhf import config as C
-from megatron_rlhf import data as D
-from megatron_rlhf.batching import ShardedBatchSampler, eval_batches
+from megatron_rlhf.config import schema as C
+from megatron_rlhf.data import dataset as D
+from megatron_rlhf.data.sampler import ShardedBatchSampler, eval_batches
 from megatron_rlhf.checkpoint import state as ckpt
-from megatron_rlhf.collate import COLLATE, microbatches
-from megatron_rlhf.metrics import peak_memory_gib
+from megatron_rlhf.data.collate import COLLATE, microbatches
+from megatron_rlhf.parallel.cpu import peak_memory_gib
 from megatron_rlhf.parallel import init
 from megatron_rlhf.trainer.preflight import resume_message
 from megatron_rlhf.trainer.run import (

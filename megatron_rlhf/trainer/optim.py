@@ -12,9 +12,8 @@ from typing import List
 
 import torch
 
-# Gradients accumulate and are reduced in an fp32 buffer whatever the parameter dtype (4 bytes per
-# parameter); the memory planner (plan/memory.py) reads this constant.
-GRAD_REDUCE_IN_FP32 = True
+from megatron_rlhf.parallel.layout import GRAD_REDUCE_IN_FP32
+
 
 
 def wrap_ddp(chunks: List[torch.nn.Module], use_distributed_optimizer: bool,

@@ -11,7 +11,7 @@ import os
 import tempfile
 from typing import Optional
 
-from megatron_rlhf.config import ConfigError
+from megatron_rlhf.config.schema import ConfigError
 
 
 def check_writable_dir(path: str, key: str) -> None:

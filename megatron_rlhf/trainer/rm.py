@@ -9,12 +9,9 @@ from __future__ import annotations
 import torch
 
 from megatron_rlhf.algo.losses import bradley_terry
+from megatron_rlhf.models.heads import last_token_scores
+from megatron_rlhf.trainer.calibration import calibrate
 from megatron_rlhf.trainer.loop import Stage, run_stage
-
-
-def last_token_scores(output: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
-    """output [n, s, 1] per-token scores, lengths [n] -> [n] score at position lengths-1."""
-    return output.squeeze(-1).gather(1, (lengths - 1).clamp(min=0).unsqueeze(1)).squeeze(1).float()
 
 
 def rm_loss(output, batch):
@@ -34,8 +31,6 @@ def calibration_pass(cfg, chunks, tokenizer, dp_rank, dp_size, log):
     """Mean/std of this RM's scores on SFT-policy samples, stored as `reward_calibration`."""
     if not cfg.calibration.enabled:
         return {}
-    from megatron_rlhf.trainer.calibration import calibrate
-
     stats = calibrate(cfg, chunks, tokenizer, dp_rank, dp_size, log)
     if log:
         log(f"reward calibration: mean {stats['mean']:.4f} std {stats['std']:.4f} over "

@@ -20,9 +20,9 @@ from typing import Any, Callable, List, Optional, Sequence
 
 import torch
 
-from megatron_rlhf import config as C
-from megatron_rlhf import config_io
-from megatron_rlhf import data as D
+from megatron_rlhf.config import schema as C
+from megatron_rlhf.config import io as config_io
+from megatron_rlhf.data import dataset as D
 from megatron_rlhf.checkpoint import run_dir
 from megatron_rlhf.checkpoint import run_dir
 from megatron_rlhf.checkpoint import state as ckpt
@@ -195,7 +195,7 @@ def save_or_stop(cfg, step: int, stop: StopFlag, save: Callable[[int], None], me
 def open_metrics(cfg, ctx: RunContext, total_steps: int, start_step: int,
                  namespaces: Optional[Sequence[str]] = None, desc: str = "train"):
     """The rank-0 MetricsLogger of this run (a no-op object on other ranks)."""
-    from megatron_rlhf.metrics import NAMESPACES, MetricsLogger
+    from megatron_rlhf.trainer.metrics import NAMESPACES, MetricsLogger
 
     return MetricsLogger(
         cfg.logging.run_dir, enabled=ctx.rank0, total_steps=total_steps, start_step=start_step,

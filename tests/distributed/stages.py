@@ -5,7 +5,7 @@ import json
 import os
 import random
 
-from megatron_rlhf.metrics import read_jsonl
+from megatron_rlhf.trainer.metrics import read_jsonl
 from megatron_rlhf.tasks import sort_digits
 from tests.distributed.launch import CLI, torchrun
 

@@ -12,7 +12,7 @@ import shutil
 
 import pytest
 
-from megatron_rlhf.metrics import read_jsonl
+from megatron_rlhf.trainer.metrics import read_jsonl
 from tests.distributed.launch import CLI, torchrun
 
 STEPS, SAVED = 10, 5

@@ -11,7 +11,7 @@ import os
 
 import pytest
 
-from megatron_rlhf.metrics import read_jsonl
+from megatron_rlhf.trainer.metrics import read_jsonl
 from tests.distributed.launch import CLI, torchrun
 
 

@@ -5,7 +5,7 @@ thins metrics.jsonl, a rerun of a finished run says so, and stderr holds no Mega
 import re
 import sys
 
-from megatron_rlhf.metrics import read_jsonl
+from megatron_rlhf.trainer.metrics import read_jsonl
 from tests.distributed.launch import child_env, run_reaped
 from tests.distributed.launch import CLI
 from tests.distributed.stages import overrides

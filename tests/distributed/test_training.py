@@ -7,7 +7,7 @@ import sys
 
 import pytest
 
-from megatron_rlhf.metrics import read_jsonl
+from megatron_rlhf.trainer.metrics import read_jsonl
 from tests.distributed.launch import CLI, child_env, free_port, run_reaped, sigterm_when
 from tests.distributed.stages import losses, overrides, run_cli
 

@@ -26,7 +26,7 @@ def _prompts():
 
 
 def test_vllm_engine_follows_the_megatron_policy(world_of_one, tmp_path):
-    from megatron_rlhf.batch import build_experience
+    from megatron_rlhf.trainer.ppo.batch import build_experience
     from megatron_rlhf.models.build import build_model
     from megatron_rlhf.models.spec import ModelConfig
     from megatron_rlhf.parallel import init
@@ -34,7 +34,7 @@ def test_vllm_engine_follows_the_megatron_policy(world_of_one, tmp_path):
     from megatron_rlhf.rollout.base import SamplingParams
     from megatron_rlhf.rollout.megatron_engine import MegatronRolloutEngine
     from megatron_rlhf.rollout.vllm_engine import VLLMRolloutEngine
-    from megatron_rlhf.trainer.experience import forward_collect, response_logprobs
+    from megatron_rlhf.trainer.ppo.experience import forward_collect, response_logprobs
 
     cfg = ModelConfig(num_layers=2, hidden_size=128, ffn_hidden_size=256, num_attention_heads=4, num_query_groups=2,
                       vocab_size=VOCAB, max_position_embeddings=128, params_dtype="bfloat16", init_method_std=0.1)

@@ -7,8 +7,8 @@ import sys
 import pytest
 
 from megatron_rlhf import cli
-from megatron_rlhf import config as C
-from megatron_rlhf.data import DataError
+from megatron_rlhf.config import schema as C
+from megatron_rlhf.data.dataset import DataError
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 CALLS = []

@@ -7,8 +7,8 @@ import shutil
 
 import pytest
 
-from megatron_rlhf import config as C
-from megatron_rlhf import config_io
+from megatron_rlhf.config import schema as C
+from megatron_rlhf.config import io as config_io
 from megatron_rlhf.models.spec import ModelConfig
 
 

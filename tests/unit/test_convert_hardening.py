@@ -9,6 +9,8 @@ import pytest
 import torch
 
 from megatron_rlhf.checkpoint import hf as conv
+from megatron_rlhf.checkpoint import convert_cli
+from megatron_rlhf.models import hf_config
 from megatron_rlhf.models.spec import UnsupportedModelError, model_config_from_hf
 from tests.unit import hf_tiny_models as tiny
 from tests.unit.test_convert_hf import _copy_model, _error, _no_output
@@ -54,7 +56,7 @@ def test_qwen2_per_layer_windows_refused_by_the_converter(qwen2, tmp_path, capsy
         c.pop("layer_types", None)  # transformers >= 4.53 writes it; it would win over max_window_layers
 
     src = _copy_model(qwen2, tmp_path / "m", config_edit=window_layer_1)
-    line = _error(capsys, conv.hf_to_megatron_main, ["--hf-dir", str(src), "--out", str(tmp_path / "o")])
+    line = _error(capsys, convert_cli.hf_to_megatron_main, ["--hf-dir", str(src), "--out", str(tmp_path / "o")])
     assert "windows 1 of 2 layers" in line
     _no_output(tmp_path, tmp_path / "o")
 
@@ -63,7 +65,7 @@ def test_exported_qwen2_config_windows_every_layer_in_transformers():
     import transformers as tr
 
     cfg, _ = model_config_from_hf(_qwen2_cfg(max_window_layers=0))
-    exported = conv.hf_config_from_model_config(cfg)
+    exported = hf_config.hf_config_from_model_config(cfg)
     assert tr.Qwen2Config(**exported).layer_types == ["sliding_attention"] * 4
     assert model_config_from_hf(dict(exported, architectures=["Qwen2ForCausalLM"]))[0].sliding_window == 8
 
@@ -74,7 +76,7 @@ def test_tied_model_with_a_different_lm_head_is_refused(qwen2, tmp_path, capsys)
         sd["lm_head.weight"][-1, 0] += 1.0  # differs in the very last row only
 
     src = _copy_model(qwen2, tmp_path / "m", edit=add_head)
-    line = _error(capsys, conv.hf_to_megatron_main, ["--hf-dir", str(src), "--out", str(tmp_path / "o")])
+    line = _error(capsys, convert_cli.hf_to_megatron_main, ["--hf-dir", str(src), "--out", str(tmp_path / "o")])
     assert "tie_word_embeddings=true but lm_head.weight differs from model.embed_tokens.weight" in line
     _no_output(tmp_path, tmp_path / "o")
 
@@ -119,7 +121,7 @@ def _size(p):
 ])
 def test_damaged_hf_input_is_one_line(qwen2, tmp_path, capsys, damage, expected):
     src = _variant(qwen2, tmp_path / "m", damage)
-    line = _error(capsys, conv.hf_to_megatron_main, ["--hf-dir", str(src), "--out", str(tmp_path / "o"), "--quiet"])
+    line = _error(capsys, convert_cli.hf_to_megatron_main, ["--hf-dir", str(src), "--out", str(tmp_path / "o"), "--quiet"])
     assert line.startswith("error: ") and expected in line, line
     _no_output(tmp_path, tmp_path / "o")
 
@@ -144,7 +146,7 @@ def _bin(d, truncate):
 ])
 def test_damaged_megatron_input_is_one_line(converted, tmp_path, capsys, damage, expected):
     src = _variant(converted, tmp_path / "mg", damage)
-    line = _error(capsys, conv.megatron_to_hf_main, ["--megatron-dir", str(src), "--out", str(tmp_path / "o"), "--quiet"])
+    line = _error(capsys, convert_cli.megatron_to_hf_main, ["--megatron-dir", str(src), "--out", str(tmp_path / "o"), "--quiet"])
     assert line.startswith("error: ") and expected in line, line
     _no_output(tmp_path, tmp_path / "o")
 
@@ -162,7 +164,7 @@ def test_unknown_meta_field_is_ignored_with_a_warning(converted, tmp_path, capsy
         (d / conv.META_FILE).write_text(json.dumps(dict(meta, written_by_a_newer_version={"x": 1})))
 
     src = _variant(converted, tmp_path / "mg", newer)
-    assert conv.megatron_to_hf_main(["--megatron-dir", str(src), "--out", str(tmp_path / "o"), "--quiet"]) == 0
+    assert convert_cli.megatron_to_hf_main(["--megatron-dir", str(src), "--out", str(tmp_path / "o"), "--quiet"]) == 0
     err = capsys.readouterr().err.strip().splitlines()
     assert err == [f"warning: {src / conv.META_FILE} has fields this version does not know, ignored: "
                    "written_by_a_newer_version"]
@@ -170,7 +172,7 @@ def test_unknown_meta_field_is_ignored_with_a_warning(converted, tmp_path, capsy
 
 
 def test_missing_hf_dir_says_it_does_not_exist(tmp_path, capsys):
-    line = _error(capsys, conv.hf_to_megatron_main, ["--hf-dir", str(tmp_path / "nope"), "--out", str(tmp_path / "o")])
+    line = _error(capsys, convert_cli.hf_to_megatron_main, ["--hf-dir", str(tmp_path / "nope"), "--out", str(tmp_path / "o")])
     assert line == f"error: --hf-dir {tmp_path / 'nope'} does not exist: pass a Hugging Face model directory"
 
 

@@ -17,6 +17,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from megatron_rlhf.checkpoint import hf as conv
+from megatron_rlhf.checkpoint import convert_cli
 from megatron_rlhf.checkpoint.hf_io import HFCheckpoint
 from tests.unit import hf_tiny_models as tiny
 
@@ -47,8 +48,8 @@ def test_roundtrip_is_bit_identical_and_transformers_loads_it(models, tmp_path, 
 
     src = models[name]
     mg, back = tmp_path / "mg", tmp_path / "back"
-    assert conv.hf_to_megatron_main(["--hf-dir", str(src), "--out", str(mg), "--quiet"]) == 0
-    assert conv.megatron_to_hf_main(["--megatron-dir", str(mg), "--out", str(back), "--quiet"]) == 0
+    assert convert_cli.hf_to_megatron_main(["--hf-dir", str(src), "--out", str(mg), "--quiet"]) == 0
+    assert convert_cli.megatron_to_hf_main(["--megatron-dir", str(mg), "--out", str(back), "--quiet"]) == 0
     a, b = _tensors(src), _tensors(back)
     assert a.keys() == b.keys()
     assert all(a[k].dtype == b[k].dtype and torch.equal(a[k], b[k]) for k in a)
@@ -132,7 +133,7 @@ def test_training_checkpoint_with_key_prefix_and_hf_config(models, tmp_path):
     conv.hf_to_megatron(models["qwen2"], mg, key_prefix="policy.")
     (mg / conv.META_FILE).unlink()
     argv = ["--megatron-dir", str(mg), "--out", str(back), "--hf-config", str(models["qwen2"]), "--key-prefix", "policy."]
-    assert conv.megatron_to_hf_main(argv + ["--quiet"]) == 0
+    assert convert_cli.megatron_to_hf_main(argv + ["--quiet"]) == 0
     a, b = _tensors(models["qwen2"]), _tensors(back)
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
 
@@ -159,7 +160,7 @@ def test_bin_with_code_is_refused(models, tmp_path, capsys):
     (src / "config.json").write_text((models["mistral"] / "config.json").read_text())
     with open(src / "pytorch_model.bin", "wb") as f:
         pickle.dump({"x": _Evil()}, f)
-    line = _error(capsys, conv.hf_to_megatron_main, ["--hf-dir", str(src), "--out", str(tmp_path / "o")])
+    line = _error(capsys, convert_cli.hf_to_megatron_main, ["--hf-dir", str(src), "--out", str(tmp_path / "o")])
     assert "does not load with torch.load(weights_only=True)" in line and "refused" in line
     assert "pwned" not in capsys.readouterr().out
 
@@ -189,21 +190,21 @@ def _no_output(tmp_path, out):
 
 def test_unsupported_architecture_lists_supported(models, tmp_path, capsys):
     src = _copy_model(models["mistral"], tmp_path / "gpt", config_edit=lambda c: c.update(architectures=["GPT2LMHeadModel"], auto_map={"AutoModel": "x.Y"}))
-    line = _error(capsys, conv.hf_to_megatron_main, ["--hf-dir", str(src), "--out", str(tmp_path / "o")])
+    line = _error(capsys, convert_cli.hf_to_megatron_main, ["--hf-dir", str(src), "--out", str(tmp_path / "o")])
     assert "unsupported architecture 'GPT2LMHeadModel'" in line and "LlamaForCausalLM" in line and "Qwen2ForCausalLM" in line
     _no_output(tmp_path, tmp_path / "o")
 
 
 def test_missing_tensor_is_named(models, tmp_path, capsys):
     src = _copy_model(models["mistral"], tmp_path / "m", edit=lambda sd: sd.pop("model.layers.1.mlp.up_proj.weight"))
-    line = _error(capsys, conv.hf_to_megatron_main, ["--hf-dir", str(src), "--out", str(tmp_path / "o")])
+    line = _error(capsys, convert_cli.hf_to_megatron_main, ["--hf-dir", str(src), "--out", str(tmp_path / "o")])
     assert "missing tensor model.layers.1.mlp.up_proj.weight" in line
     _no_output(tmp_path, tmp_path / "o")
 
 
 def test_unexpected_tensor_is_named(models, tmp_path, capsys):
     src = _copy_model(models["mistral"], tmp_path / "m", edit=lambda sd: sd.update({"model.layers.0.extra.weight": torch.ones(2)}))
-    line = _error(capsys, conv.hf_to_megatron_main, ["--hf-dir", str(src), "--out", str(tmp_path / "o")])
+    line = _error(capsys, convert_cli.hf_to_megatron_main, ["--hf-dir", str(src), "--out", str(tmp_path / "o")])
     assert "unexpected tensor model.layers.0.extra.weight" in line
 
 
@@ -212,13 +213,13 @@ def test_shape_mismatch_names_expected_and_found(models, tmp_path, capsys):
         sd["model.layers.0.self_attn.k_proj.weight"] = sd["model.layers.0.self_attn.k_proj.weight"][:32].clone()
 
     src = _copy_model(models["mistral"], tmp_path / "m", edit=shrink)
-    line = _error(capsys, conv.hf_to_megatron_main, ["--hf-dir", str(src), "--out", str(tmp_path / "o")])
+    line = _error(capsys, convert_cli.hf_to_megatron_main, ["--hf-dir", str(src), "--out", str(tmp_path / "o")])
     assert "shape mismatch for model.layers.0.self_attn.k_proj.weight: expected (64, 64), found (32, 64)" in line
 
 
 def test_tp_that_does_not_divide(models, tmp_path, capsys):
     argv = ["--hf-dir", str(models["llama"]), "--out", str(tmp_path / "o"), "--target-tp", "4"]
-    line = _error(capsys, conv.hf_to_megatron_main, argv)
+    line = _error(capsys, convert_cli.hf_to_megatron_main, argv)
     assert line == "error: tensor parallel size 4 does not divide num_query_groups (num_key_value_heads)=2: pick a TP that divides 2"
     _no_output(tmp_path, tmp_path / "o")
 
@@ -227,28 +228,28 @@ def test_existing_output_needs_overwrite(models, tmp_path, capsys):
     out = tmp_path / "o"
     out.mkdir()
     (out / "keep").write_text("x")
-    line = _error(capsys, conv.hf_to_megatron_main, ["--hf-dir", str(models["qwen2"]), "--out", str(out)])
+    line = _error(capsys, convert_cli.hf_to_megatron_main, ["--hf-dir", str(models["qwen2"]), "--out", str(out)])
     assert line == f"error: output directory {out} already exists: pass --overwrite or choose another --out"
     assert (out / "keep").is_file()
-    line = _error(capsys, conv.megatron_to_hf_main, ["--megatron-dir", str(models["qwen2"]), "--out", str(out)])
+    line = _error(capsys, convert_cli.megatron_to_hf_main, ["--megatron-dir", str(models["qwen2"]), "--out", str(out)])
     assert "already exists" in line
     # --overwrite replaces only a converter's output (tests/unit/test_convert_outputs.py has the rest).
     argv = ["--hf-dir", str(models["qwen2"]), "--out", str(out), "--overwrite", "--quiet"]
-    assert "does not look like a converter output" in _error(capsys, conv.hf_to_megatron_main, argv)
+    assert "does not look like a converter output" in _error(capsys, convert_cli.hf_to_megatron_main, argv)
     (out / "keep").unlink()
     (out / conv.META_FILE).write_text("{}")
-    assert conv.hf_to_megatron_main(argv) == 0
+    assert convert_cli.hf_to_megatron_main(argv) == 0
     assert (out / conv.META_FILE).read_text() != "{}"
 
 
 def test_sequence_classifier_has_no_lm_head(models, tmp_path, capsys):
     argv = ["--hf-dir", str(models["llama_rm"]), "--out", str(tmp_path / "o"), "--head", "lm"]
-    assert "is a sequence classifier: it has no LM head to convert; use --head scalar" in _error(capsys, conv.hf_to_megatron_main, argv)
+    assert "is a sequence classifier: it has no LM head to convert; use --head scalar" in _error(capsys, convert_cli.hf_to_megatron_main, argv)
 
 
 def test_not_a_converted_checkpoint(tmp_path, capsys):
     (tmp_path / "mg").mkdir()
-    line = _error(capsys, conv.megatron_to_hf_main, ["--megatron-dir", str(tmp_path / "mg"), "--out", str(tmp_path / "o")])
+    line = _error(capsys, convert_cli.megatron_to_hf_main, ["--megatron-dir", str(tmp_path / "mg"), "--out", str(tmp_path / "o")])
     assert f"no {conv.META_FILE} in {tmp_path / 'mg'}" in line
 
 

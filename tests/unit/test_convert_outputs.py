@@ -15,6 +15,7 @@ import torch
 
 from megatron_rlhf import cli
 from megatron_rlhf.checkpoint import hf as conv
+from megatron_rlhf.checkpoint import convert_cli
 from tests.unit import hf_tiny_models as tiny
 from tests.unit.test_convert_hf import _copy_model, _error, _tensors
 
@@ -41,8 +42,8 @@ def _m2h(mg, out, *extra):
                                           (lambda d: d / "sub", "is inside"),
                                           (lambda d: d.parent, "contains")])
 def test_out_on_the_input_is_refused_even_with_overwrite(src, mg, tmp_path, capsys, where, words):
-    for fn, argv, inp, flag in ((conv.hf_to_megatron_main, _h2m, src, "--hf-dir"),
-                                (conv.megatron_to_hf_main, _m2h, mg, "--megatron-dir")):
+    for fn, argv, inp, flag in ((convert_cli.hf_to_megatron_main, _h2m, src, "--hf-dir"),
+                                (convert_cli.megatron_to_hf_main, _m2h, mg, "--megatron-dir")):
         copy = shutil.copytree(inp, tmp_path / f"in_{flag}" / "model")
         before = sorted(os.listdir(copy))
         line = _error(capsys, fn, argv(copy, where(copy), "--overwrite"))
@@ -52,13 +53,13 @@ def test_out_on_the_input_is_refused_even_with_overwrite(src, mg, tmp_path, caps
 
 def test_out_on_the_hf_config_source_is_refused(src, mg, tmp_path, capsys):
     hf = shutil.copytree(src, tmp_path / "hf")
-    line = _error(capsys, conv.megatron_to_hf_main, _m2h(mg, hf, "--overwrite", "--hf-config", str(hf)))
+    line = _error(capsys, convert_cli.megatron_to_hf_main, _m2h(mg, hf, "--overwrite", "--hf-config", str(hf)))
     assert "is the same directory as --hf-config" in line
 
 
 @pytest.mark.parametrize("kind", ["h2m", "m2h"])
 def test_overwrite_replaces_only_our_own_output(src, mg, tmp_path, capsys, kind):
-    fn, argv, inp = (conv.hf_to_megatron_main, _h2m, src) if kind == "h2m" else (conv.megatron_to_hf_main, _m2h, mg)
+    fn, argv, inp = (convert_cli.hf_to_megatron_main, _h2m, src) if kind == "h2m" else (convert_cli.megatron_to_hf_main, _m2h, mg)
     foreign = tmp_path / "foreign"
     foreign.mkdir()
     (foreign / "thesis.tex").write_text("years of work")
@@ -87,7 +88,7 @@ def test_stale_temp_dirs_are_removed_or_named(src, tmp_path, capsys):
     for d in (stale, running, legacy):
         d.mkdir()
         (d / "__0_0.distcp").write_bytes(b"\0" * 1000)
-    assert conv.hf_to_megatron_main(_h2m(src, out)) == 0
+    assert convert_cli.hf_to_megatron_main(_h2m(src, out)) == 0
     err = capsys.readouterr().err
     assert not stale.exists() and f"removed {stale}: left by a conversion" in err
     assert running.exists() and f"warning: {running} belongs to a conversion still running" in err
@@ -116,17 +117,17 @@ def test_killed_conversion_leaves_a_temp_dir_the_next_one_removes(src, tmp_path)
 
 @pytest.mark.parametrize("gb", ["0", "-1"])
 def test_max_shard_gb_must_be_positive(mg, tmp_path, capsys, gb):
-    line = _error(capsys, conv.megatron_to_hf_main, _m2h(mg, tmp_path / "o", "--max-shard-gb", gb))
+    line = _error(capsys, convert_cli.megatron_to_hf_main, _m2h(mg, tmp_path / "o", "--max-shard-gb", gb))
     assert line == f"error: --max-shard-gb must be > 0 (got {float(gb):g})"
 
 
 def test_float64_source_is_reported_and_converts_only_with_dtype(src, tmp_path, capsys):
     f64 = _copy_model(src, tmp_path / "f64", edit=lambda sd: sd.update({k: v.double() for k, v in sd.items()}),
                       config_edit=lambda c: c.update(torch_dtype="float64", dtype="float64"))
-    line = _error(capsys, conv.hf_to_megatron_main, _h2m(f64, tmp_path / "o"))
+    line = _error(capsys, convert_cli.hf_to_megatron_main, _h2m(f64, tmp_path / "o"))
     assert "holds float64 weights" in line and "pass --dtype float32" in line
-    assert conv.hf_to_megatron_main(_h2m(f64, tmp_path / "o", "--dtype", "float32")) == 0
-    assert conv.megatron_to_hf_main(_m2h(tmp_path / "o", tmp_path / "back")) == 0
+    assert convert_cli.hf_to_megatron_main(_h2m(f64, tmp_path / "o", "--dtype", "float32")) == 0
+    assert convert_cli.megatron_to_hf_main(_m2h(tmp_path / "o", tmp_path / "back")) == 0
     a, b = _tensors(src), _tensors(tmp_path / "back")
     assert all(b[k].dtype == torch.float32 and torch.equal(a[k], b[k]) for k in a)
 
@@ -134,17 +135,17 @@ def test_float64_source_is_reported_and_converts_only_with_dtype(src, tmp_path, 
 def test_float8_source_is_refused(src, tmp_path, capsys):
     f8 = _copy_model(src, tmp_path / "f8", edit=lambda sd: sd.update(
         {"model.layers.0.mlp.up_proj.weight": sd["model.layers.0.mlp.up_proj.weight"].to(torch.float8_e4m3fn)}))
-    line = _error(capsys, conv.hf_to_megatron_main, _h2m(f8, tmp_path / "o", "--dtype", "bfloat16"))
+    line = _error(capsys, convert_cli.hf_to_megatron_main, _h2m(f8, tmp_path / "o", "--dtype", "bfloat16"))
     assert "model.layers.0.mlp.up_proj.weight" in line and "F8_E4M3 (float8: a quantized checkpoint)" in line
     quant = _copy_model(src, tmp_path / "q", config_edit=lambda c: c.update(quantization_config={"quant_method": "fp8"}))
-    line = _error(capsys, conv.hf_to_megatron_main, _h2m(quant, tmp_path / "o"))
+    line = _error(capsys, convert_cli.hf_to_megatron_main, _h2m(quant, tmp_path / "o"))
     assert "quantized checkpoint (quant_method=fp8)" in line
 
 
 def test_auto_map_on_a_supported_architecture_warns_that_remote_code_is_ignored(src, tmp_path, capsys):
     remote = _copy_model(src, tmp_path / "r", config_edit=lambda c: c.update(
         auto_map={"AutoModelForCausalLM": "modeling_x.XForCausalLM"}))
-    assert conv.hf_to_megatron_main(_h2m(remote, tmp_path / "o")) == 0
+    assert convert_cli.hf_to_megatron_main(_h2m(remote, tmp_path / "o")) == 0
     err = capsys.readouterr().err.strip().splitlines()
     assert err == [f"warning: config.json in {remote} has auto_map (AutoModelForCausalLM): that remote code is "
                    "ignored; the weights are converted as the built-in MistralForCausalLM"]
@@ -166,7 +167,7 @@ def test_pickle_refusal_names_the_global_in_full(src, tmp_path, capsys, writer):
             pickle.dump(state, f)
     else:
         torch.save(state, d / "pytorch_model.bin")
-    line = _error(capsys, conv.hf_to_megatron_main, _h2m(d, tmp_path / "o"))
+    line = _error(capsys, convert_cli.hf_to_megatron_main, _h2m(d, tmp_path / "o"))
     assert f"it needs {os.system.__module__}.system, which is not a tensor type" in line and "refused" in line, line
     assert "pwned" not in capsys.readouterr().out
 

@@ -96,7 +96,7 @@ def test_bf16_step_through_the_mixed_precision_optimizer():
     out = _run(
         "import os, torch\n"
         f"os.environ.update(MASTER_ADDR='127.0.0.1', MASTER_PORT='{free_port()}', RANK='0', WORLD_SIZE='1', LOCAL_RANK='0')\n"
-        "from megatron_rlhf.config import TrainConfig\n"
+        "from megatron_rlhf.config.schema import TrainConfig\n"
         "from megatron_rlhf.models.build import build_model\n"
         "from megatron_rlhf.models.spec import ModelConfig\n"
         "from megatron_rlhf.parallel import init\n"

@@ -3,15 +3,15 @@
 import pytest
 import torch
 
-from megatron_rlhf import config as C
+from megatron_rlhf.config import schema as C
 from megatron_rlhf.algo.advantages import group_advantages
 from megatron_rlhf.algo.kl import k3
 from megatron_rlhf.algo.losses import kl_penalty
-from megatron_rlhf.batch import build_experience
-from megatron_rlhf.ppo_config import check_ppo_layout
-from megatron_rlhf.trainer import critic_free as cf
-from megatron_rlhf.trainer import ppo_models
-from megatron_rlhf.trainer.ppo_eval import uniforms
+from megatron_rlhf.trainer.ppo.batch import build_experience
+from megatron_rlhf.config.ppo import check_ppo_layout
+from megatron_rlhf.trainer.ppo import critic_free as cf
+from megatron_rlhf.trainer.ppo import models as ppo_models
+from megatron_rlhf.trainer.ppo.eval import uniforms
 from tests.unit.test_ppo_pieces import load
 
 K = 4

@@ -7,10 +7,10 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from megatron_rlhf import data as D
-from megatron_rlhf.batching import ShardedBatchSampler, eval_batches
-from megatron_rlhf.collate import collate_preference, collate_prompts, collate_sft, microbatches
-from megatron_rlhf.config import DataConfig
+from megatron_rlhf.data import dataset as D
+from megatron_rlhf.data.sampler import ShardedBatchSampler, eval_batches
+from megatron_rlhf.data.collate import collate_preference, collate_prompts, collate_sft, microbatches
+from megatron_rlhf.config.schema import DataConfig
 from megatron_rlhf.tasks import sort_digits
 
 

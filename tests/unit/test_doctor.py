@@ -9,7 +9,7 @@ import random
 
 import pytest
 
-from megatron_rlhf.trainer.doctor import NAMES, Doctor, DoctorConfig
+from megatron_rlhf.trainer.ppo.doctor import NAMES, Doctor, DoctorConfig
 
 ITERS, EVAL_EVERY, BAD_FROM = 150, 10, 60
 
@@ -184,7 +184,7 @@ def test_bad_config_and_state_give_one_line_errors():
 def test_doctor_needs_neither_torch_nor_megatron():
     root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     code = (
-        "import sys, megatron_rlhf.trainer.doctor\n"
+        "import sys, megatron_rlhf.trainer.ppo.doctor\n"
         "print(sorted({m.split('.')[0] for m in sys.modules} & {'torch', 'megatron'}))"
     )
     out = subprocess.run([sys.executable, "-c", code], cwd=root, env=dict(os.environ, PYTHONPATH=root),

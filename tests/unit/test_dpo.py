@@ -6,9 +6,9 @@ import math
 import pytest
 import torch
 
-from megatron_rlhf import config as C
-from megatron_rlhf.collate import collate_preference
-from megatron_rlhf.trainer.dpo import dpo_batch_loss, sequence_logprobs
+from megatron_rlhf.config import schema as C
+from megatron_rlhf.data.collate import collate_preference
+from megatron_rlhf.trainer.dpo.fit import dpo_batch_loss, sequence_logprobs
 
 VOCAB, PADDED = 11, 13  # logits carry 2 padded ids (Megatron's vocab padding): they must get probability 0
 

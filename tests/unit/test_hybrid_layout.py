@@ -1,15 +1,15 @@
 """Pure parts of the hybrid engine: the row split and gathers of rollout/redistribute.py, the layout
-checks of rollout_config.py, and the vLLM entry check (no process groups, milliseconds)."""
+checks of config/rollout.py, and the vLLM entry check (no process groups, milliseconds)."""
 
 import pytest
 import torch
 
-from megatron_rlhf.fields import ConfigError
+from megatron_rlhf.config.fields import ConfigError
 from megatron_rlhf.models.spec import ModelConfig
 from megatron_rlhf.rollout import redistribute as R
-from megatron_rlhf.rollout.hybrid import same_layout
+from megatron_rlhf.rollout.layout import same_layout
 from megatron_rlhf.parallel.layout import ParallelConfig
-from megatron_rlhf.rollout_config import check_layout_tp
+from megatron_rlhf.config.rollout import check_layout_tp
 
 CFG = ModelConfig(num_layers=2, hidden_size=64, ffn_hidden_size=128, num_attention_heads=4, num_query_groups=2,
                   vocab_size=17, max_position_embeddings=32)
@@ -70,7 +70,7 @@ def test_equal_layouts_need_no_copy():
 def test_vllm_on_cpu_is_a_one_line_error():
     if torch.cuda.is_available():
         pytest.skip("CUDA present: the CPU refusal does not apply")
-    from megatron_rlhf.rollout.vllm_engine import require_vllm
+    from megatron_rlhf.config.rollout import require_vllm
 
     with pytest.raises(ConfigError) as e:
         require_vllm()

@@ -6,7 +6,8 @@ import time
 import pytest
 import torch
 
-from megatron_rlhf.metrics import MetricsLogger, peak_memory_gib, read_jsonl
+from megatron_rlhf.parallel.cpu import peak_memory_gib
+from megatron_rlhf.trainer.metrics import MetricsLogger, read_jsonl
 
 
 def events(run_dir):

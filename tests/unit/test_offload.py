@@ -5,7 +5,7 @@ must continue bit-identically to a twin that never offloaded."""
 import pytest
 import torch
 
-from megatron_rlhf.config import TrainConfig
+from megatron_rlhf.config.schema import TrainConfig
 from megatron_rlhf.models.build import build_model
 from megatron_rlhf.models.spec import ModelConfig
 from megatron_rlhf.parallel.layout import ParallelConfig

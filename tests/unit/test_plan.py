@@ -7,7 +7,7 @@ import os
 import pytest
 
 from megatron_rlhf import cli
-from megatron_rlhf.fields import ConfigError
+from megatron_rlhf.config.fields import ConfigError
 from megatron_rlhf.parallel.layout import LayoutError
 from megatron_rlhf.plan.cli import load_for_plan
 from megatron_rlhf.plan.memory import state_bytes_per_param

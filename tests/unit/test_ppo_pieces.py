@@ -3,11 +3,11 @@
 import pytest
 import torch
 
-from megatron_rlhf import config as C
-from megatron_rlhf.batch import build_experience
-from megatron_rlhf.ppo_config import check_ppo_layout
-from megatron_rlhf.trainer.ppo_eval import sample_panel, summary, uniforms
-from megatron_rlhf.trainer.ppo_learn import SkipGuard, TrainingDiverged
+from megatron_rlhf.config import schema as C
+from megatron_rlhf.trainer.ppo.batch import build_experience
+from megatron_rlhf.config.ppo import check_ppo_layout
+from megatron_rlhf.trainer.ppo.eval import sample_panel, summary, uniforms
+from megatron_rlhf.trainer.ppo.learn import SkipGuard, TrainingDiverged
 
 BASE = ["data.train_path=/etc/hosts", "tokenizer.path=/tmp", "model.load=/tmp", "ppo.reward_load=/tmp",
         "data.max_prompt_len=16", "model.max_position_embeddings=128"]

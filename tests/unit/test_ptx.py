@@ -3,14 +3,14 @@ the same weights as plain PPO, bit for bit), and with ptx_coef > 0 the LM loss o
 
 import torch
 
-from megatron_rlhf.batch import build_experience
+from megatron_rlhf.trainer.ppo.batch import build_experience
 from megatron_rlhf.models.build import build_model
 from megatron_rlhf.models.spec import ModelConfig
 from megatron_rlhf.parallel.layout import ParallelConfig
-from megatron_rlhf.trainer.experience import forward_collect, response_logprobs
+from megatron_rlhf.trainer.ppo.experience import forward_collect, response_logprobs
 from megatron_rlhf.trainer.optim import build_optimizer, wrap_ddp
-from megatron_rlhf.trainer.ppo_learn import SkipGuard, learn
-from megatron_rlhf.trainer.ptx import PtxBatches
+from megatron_rlhf.trainer.ppo.learn import SkipGuard, learn
+from megatron_rlhf.trainer.ppo.ptx import PtxBatches
 from megatron_rlhf.trainer.run import Trainable
 from tests.unit.test_ppo_pieces import load
 

@@ -1,17 +1,17 @@
-"""ppo.reference_mode=swap (trainer/reference_swap.py): the reference weights kept in host memory and
+"""ppo.reference_mode=swap (trainer/ppo/reference_swap.py): the reference weights kept in host memory and
 swapped into the policy give the separate reference model's logprobs, and the policy gets its own
 weights back to the bit."""
 
 import pytest
 import torch
 
-from megatron_rlhf.batch import build_experience
+from megatron_rlhf.trainer.ppo.batch import build_experience
 from megatron_rlhf.models.build import build_model
 from megatron_rlhf.models.spec import ModelConfig
 from megatron_rlhf.parallel.layout import ParallelConfig
-from megatron_rlhf.trainer.experience import forward_collect, response_logprobs
+from megatron_rlhf.trainer.ppo.experience import forward_collect, response_logprobs
 from megatron_rlhf.trainer.optim import wrap_ddp
-from megatron_rlhf.trainer.reference_swap import HostReference
+from megatron_rlhf.trainer.ppo.reference_swap import HostReference
 
 VOCAB = 61
 CFG = ModelConfig(num_layers=2, hidden_size=32, ffn_hidden_size=64, num_attention_heads=4, num_query_groups=2,

@@ -9,7 +9,8 @@ from megatron_rlhf.models.build import build_model
 from megatron_rlhf.models.spec import ModelConfig
 from megatron_rlhf.parallel.layout import ParallelConfig
 from megatron_rlhf.rollout import shm_exchange
-from megatron_rlhf.rollout.hybrid import WeightSwap, build_in_layout, tp_only_layout
+from megatron_rlhf.rollout.hybrid import WeightSwap
+from megatron_rlhf.rollout.layout import build_in_layout, tp_only_layout
 
 CFG = ModelConfig(num_layers=2, hidden_size=32, ffn_hidden_size=64, num_attention_heads=4, num_query_groups=2,
                   vocab_size=64, max_position_embeddings=32, init_method_std=0.2)

@@ -116,7 +116,7 @@ def test_launcher_gives_global_ranks_on_every_node(monkeypatch):
 
 
 def test_cluster_yaml_errors_are_one_line(tmp_path):
-    from megatron_rlhf.fields import ConfigError
+    from megatron_rlhf.config.fields import ConfigError
 
     with pytest.raises(ConfigError, match="unknown config key 'gpu_per_node' .*did you mean 'gpus_per_node'"):
         load_cluster(os.path.join(EX, "llama3_8b_slurm.yaml"), ["gpu_per_node=4"])

@@ -16,7 +16,7 @@ from megatron_rlhf.models.build import build_model
 from megatron_rlhf.models.spec import ModelConfig
 from megatron_rlhf.parallel import init
 from megatron_rlhf.parallel.layout import ParallelConfig, validate_layout
-from megatron_rlhf.config import TrainConfig
+from megatron_rlhf.config.schema import TrainConfig
 from megatron_rlhf.trainer.optim import build_optimizer, wrap_ddp
 from megatron_rlhf.trainer.step import make_forward_step, train_step
 

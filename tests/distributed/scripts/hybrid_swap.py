@@ -24,7 +24,7 @@ import sys
 import torch
 import torch.distributed as dist
 
-from megatron_rlhf.config import TrainConfig
+from megatron_rlhf.config.schema import TrainConfig
 from megatron_rlhf.models import hf_mapping as H
 from megatron_rlhf.models.build import build_model
 from megatron_rlhf.models.spec import ModelConfig
@@ -145,7 +145,7 @@ def lm_loss(output, batch):
 
 
 def experience(out):
-    from megatron_rlhf.batch import build_experience
+    from megatron_rlhf.trainer.ppo.batch import build_experience
 
     ids, mask, _ = prompts()
     rows = [r[m].tolist() for r, m in zip(ids, mask)]
@@ -158,9 +158,9 @@ def frozen_in_inference_layout(chunks, parallel, ckpt_root, generated):
     from types import SimpleNamespace
 
     from megatron_rlhf.checkpoint import state as ckpt
-    from megatron_rlhf.rollout.hybrid import tp_only_layout
-    from megatron_rlhf.trainer.experience import forward_collect, last_token_scores, response_logprobs
-    from megatron_rlhf.trainer.inference_layout import build_inference_model
+    from megatron_rlhf.rollout.layout import tp_only_layout
+    from megatron_rlhf.trainer.ppo.experience import forward_collect, last_token_scores, response_logprobs
+    from megatron_rlhf.trainer.ppo.inference_layout import build_inference_model
 
     torch.manual_seed(9)
     reward = build_model(CFG, parallel, head="scalar")
@@ -184,8 +184,8 @@ def reference_swap_at_tp2(chunks, mbs):
     """ppo.reference_mode=swap at training TP=2: the reference weights (these chunks as they are) kept in host
     memory, the policy moved on, then the reference forward through the swap: the same logprobs to the bit,
     and the moved policy restored to the bit. (Last use of `chunks`: they are perturbed here.)"""
-    from megatron_rlhf.trainer.experience import forward_collect, response_logprobs
-    from megatron_rlhf.trainer.reference_swap import HostReference
+    from megatron_rlhf.trainer.ppo.experience import forward_collect, response_logprobs
+    from megatron_rlhf.trainer.ppo.reference_swap import HostReference
 
     extract = lambda o, mb: response_logprobs(o, mb, VOCAB, 0.8)  # noqa: E731
     expected = torch.cat(forward_collect(chunks, mbs, extract))

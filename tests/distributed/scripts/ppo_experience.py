@@ -15,12 +15,12 @@ import sys
 
 import torch
 
-from megatron_rlhf.batch import build_experience
+from megatron_rlhf.trainer.ppo.batch import build_experience
 from megatron_rlhf.models.build import build_model
 from megatron_rlhf.models.spec import ModelConfig
 from megatron_rlhf.parallel import init
 from megatron_rlhf.parallel.layout import ParallelConfig
-from megatron_rlhf.trainer.experience import Frozen, estimate_advantages, score_and_recompute
+from megatron_rlhf.trainer.ppo.experience import Frozen, estimate_advantages, score_and_recompute
 
 VOCAB, PAD, EOS, T = 17, 0, 2, 6
 BETA, TEMP, MEAN, STD, PENALTY = 0.1, 0.8, 0.3, 1.7, 1.0

@@ -20,7 +20,6 @@ from __future__ import annotations
 import json
 import math
 import os
-import resource
 import time
 from contextlib import contextmanager
 from typing import Any, Dict, Iterator, List, Mapping, Optional, Sequence
@@ -35,14 +34,6 @@ class _Timing:
     """Handle yielded by `MetricsLogger.timer`; `seconds` is set when the block ends."""
 
     seconds: float = 0.0
-
-
-def peak_memory_gib() -> float:
-    """Peak memory of this process in GiB: CUDA allocator peak on GPU, peak resident set on CPU."""
-    if torch.cuda.is_available():
-        return torch.cuda.max_memory_allocated() / 2**30
-    # Linux reports ru_maxrss in KiB
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
 
 
 def _as_float(value: Any) -> float:

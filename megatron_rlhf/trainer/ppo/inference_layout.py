@@ -17,7 +17,7 @@ import torch
 
 from megatron_rlhf.models.logprobs import token_logprobs
 from megatron_rlhf.rollout import redistribute as R
-from megatron_rlhf.rollout.hybrid import Layout, build_in_layout, run_in_layout
+from megatron_rlhf.rollout.layout import Layout, build_in_layout, run_in_layout
 
 ROW_KEYS = ("input_ids", "prompt_lengths", "response_ids", "response_mask")
 
@@ -94,7 +94,7 @@ def build_inference_model(cfg, model_cfg, layout: Layout, head: str, load: str, 
 def build_frozen_pair(cfg, model_cfg, with_reference: bool = True) -> tuple:
     """(reference, reward) for `ppo.inference_tp`: one layout, both models loaded into it (collective).
     `with_reference=False` (ppo.reference_mode=swap): the reward model only; reference is None."""
-    from megatron_rlhf.rollout.hybrid import tp_only_layout
+    from megatron_rlhf.rollout.layout import tp_only_layout
 
     layout = tp_only_layout(cfg.ppo.inference_tp)
     t = cfg.ppo.temperature

@@ -18,9 +18,9 @@ from typing import Callable, Dict, List, Optional
 import torch
 
 from megatron_rlhf.algo.losses import entropy_bonus, kl_penalty, policy_loss, value_loss
-from megatron_rlhf.batch import Experience
-from megatron_rlhf.trainer.experience import response_entropy, response_logprobs, response_values
-from megatron_rlhf.trainer.ptx import PtxBatches, ptx_loss, with_scale
+from megatron_rlhf.trainer.ppo.batch import Experience
+from megatron_rlhf.trainer.ppo.experience import response_entropy, response_logprobs, response_values
+from megatron_rlhf.trainer.ppo.ptx import PtxBatches, ptx_loss, with_scale
 from megatron_rlhf.trainer.run import Trainable
 from megatron_rlhf.trainer.step import make_forward_step, train_step
 
@@ -39,7 +39,7 @@ def policy_loss_fn(vocab_size: int, temperature: float, clip_eps: float, entropy
     """loss_fn(logits [b, S, V/tp], mb) -> (token-sum loss, tokens, stats) for `make_forward_step`.
 
     kl_coef > 0 (ppo.kl_in=loss): + kl_coef x sum_t KL_t(policy || reference) (algo.losses.kl_penalty).
-    ptx: the step also runs PPO-ptx micro-batches (they carry "labels"; trainer/ptx.py); every micro-batch
+    ptx: the step also runs PPO-ptx micro-batches (they carry "labels"; trainer/ppo/ptx.py); every micro-batch
     then reports every stat name (zeros for the other kind), as `reduce_stats` needs."""
     names = POLICY_STATS + (("kl_loss_term",) if kl_coef > 0 else ()) + (("ptx_loss",) if ptx else ())
 

@@ -2,7 +2,7 @@
 file <- dotted `key=value` overrides merged with OmegaConf and type-checked against the dataclasses,
 with every failure turned into one `ConfigError` line that names the key, the value and the fix
 (closest valid key for a typo); plus the listing of keys, YAML output and the `--help` text.
-`config.py` holds the groups themselves and what a loaded config must satisfy.
+`config/schema.py` holds the groups themselves and what a loaded config must satisfy.
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ import os
 import typing
 from typing import Any, Optional, Sequence
 
-from megatron_rlhf.fields import ConfigError
+from megatron_rlhf.config.fields import ConfigError
 
 
 def structured(cls: type, yaml_path: Optional[str] = None, overrides: Sequence[str] = ()) -> tuple:

@@ -143,8 +143,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     args = _parse(argv)
     from megatron.core import parallel_state as ps
 
-    from megatron_rlhf import config as C
-    from megatron_rlhf import data as D
+    from megatron_rlhf.config import schema as C
+    from megatron_rlhf.data import dataset as D
     from megatron_rlhf.checkpoint import state as ckpt
     from megatron_rlhf.models.build import build_model
     from megatron_rlhf.parallel import init

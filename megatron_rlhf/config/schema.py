@@ -9,7 +9,7 @@ the overrides (in that order), checks every key and type against the dataclasses
 architecture (from an HF `config.json`, a Megatron checkpoint's `model_config.json`, or inline
 fields) and returns plain dataclass instances. Every problem raises `ConfigError` with one line that
 names the key, the value and the fix. The merging, type checks and messages are generic and live in
-`config_io.py`; this module holds the groups and what a loaded config must satisfy. `save_resolved(cfg, run_dir)` writes the final config to
+`config/io.py`; this module holds the groups and what a loaded config must satisfy. `save_resolved(cfg, run_dir)` writes the final config to
 `<run_dir>/config.yaml`; loading that file again gives the same config.
 
 Groups shared by all commands (`RunConfig`): model, parallel, fp8, tokenizer, data, train,
@@ -21,19 +21,18 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
-import glob
 import json
 import os
 from dataclasses import dataclass, field
 from typing import Any, Iterator, Optional, Sequence
 
-from megatron_rlhf import config_io
-from megatron_rlhf.fields import ConfigError, help_field as _f, require as _require  # noqa: F401
+from megatron_rlhf.config import io as config_io
+from megatron_rlhf.config.fields import ConfigError, help_field as _f, paths_exist, require as _require  # noqa: F401
 from megatron_rlhf.models.spec import ModelConfig, model_config_from_hf
 from megatron_rlhf.parallel.layout import Fp8Config, ParallelConfig
-from megatron_rlhf.dpo_config import DPOSection, validate_dpo
-from megatron_rlhf.ppo_config import PPOSection, validate_ppo
-from megatron_rlhf.rollout_config import RolloutSection
+from megatron_rlhf.config.dpo import DPOSection, validate_dpo
+from megatron_rlhf.config.ppo import PPOSection, validate_ppo
+from megatron_rlhf.config.rollout import RolloutSection
 
 
 # --------------------------------------------------------------------------------------------
@@ -359,10 +358,6 @@ def _walk(obj: Any, prefix: str = "") -> Iterator[tuple[str, Any, dataclasses.Fi
             yield from _walk(value, f"{prefix}{f.name}.")
 
 
-def _paths_exist(pattern: str) -> bool:
-    return os.path.exists(pattern) or bool(glob.glob(pattern))
-
-
 def validate(cfg: Any) -> None:
     """Semantic checks beyond types; raises `ConfigError`. Layout checks that need the world size
     are `megatron_rlhf.parallel.layout.validate_layout`, called by the trainer."""
@@ -413,7 +408,7 @@ def validate(cfg: Any) -> None:
     _require(d.train_path is not None, "data.train_path is not set: give a jsonl/json/parquet/arrow file")
     for key in ("train_path", "eval_path"):
         p = getattr(d, key)
-        _require(p is None or _paths_exist(p), f"data.{key}: '{p}' not found (no file or glob match)")
+        _require(p is None or paths_exist(p), f"data.{key}: '{p}' not found (no file or glob match)")
     tok = cfg.tokenizer.path
     _require(tok is not None, "tokenizer.path is not set: give a local HF tokenizer directory")
     _require(os.path.isdir(tok), f"tokenizer.path: '{tok}' is not a directory (a local HF tokenizer dir is needed)")
@@ -449,7 +444,7 @@ def validate(cfg: Any) -> None:
         _require(cal.max_new_tokens >= 1, f"calibration.max_new_tokens={cal.max_new_tokens} must be >= 1")
         _require(cal.temperature > 0, f"calibration.temperature={cal.temperature} must be > 0")
         p = cal.prompts_path
-        _require(p is None or _paths_exist(p), f"calibration.prompts_path: '{p}' not found")
+        _require(p is None or paths_exist(p), f"calibration.prompts_path: '{p}' not found")
 
 
 def check_batch_layout(train: TrainConfig, dp_size: int) -> int:

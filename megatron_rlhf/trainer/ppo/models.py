@@ -20,8 +20,8 @@ from typing import Dict, Iterator, List, Optional, Union
 import torch
 
 from megatron_rlhf.checkpoint import state as ckpt
-from megatron_rlhf.ppo_config import critic_free
-from megatron_rlhf.trainer.reference_swap import HostReference
+from megatron_rlhf.config.ppo import critic_free
+from megatron_rlhf.trainer.ppo.reference_swap import HostReference
 from megatron_rlhf.trainer.run import RunContext, Trainable, build_frozen, build_trainable, with_lr
 
 
@@ -87,8 +87,8 @@ def build_ppo_models(cfg, ctx: RunContext, total_steps: int) -> PPOModels:
     if p.inference_tp is None:
         reference = swapped if swapped is not None else freeze(build_frozen(cfg, ctx, "lm", cfg.model.load, "policy"))
         reward = freeze(build_frozen(cfg, ctx, "scalar", p.reward_load, "reward"))
-    else:  # their own layout, TP = ppo.inference_tp and PP = 1 (trainer/inference_layout.py)
-        from megatron_rlhf.trainer.inference_layout import build_frozen_pair
+    else:  # their own layout, TP = ppo.inference_tp and PP = 1 (trainer/ppo/inference_layout.py)
+        from megatron_rlhf.trainer.ppo.inference_layout import build_frozen_pair
 
         reference, reward = build_frozen_pair(cfg, ctx.model_cfg, with_reference=swapped is None)
         reference = swapped if swapped is not None else reference

@@ -19,7 +19,7 @@ import torch
 from megatron_rlhf.algo import masked
 from megatron_rlhf.algo.advantages import group_advantages, group_reward_stats
 from megatron_rlhf.algo.kl import kl_estimate
-from megatron_rlhf.batch import Experience
+from megatron_rlhf.trainer.ppo.batch import Experience
 
 
 def group_rows(prompt_indices: List[int], k: int) -> List[int]:
@@ -61,7 +61,7 @@ def estimate_critic_free(exp: Experience, estimator: str, k: int, beta: float, k
 def estimate(exp: Experience, p, beta: float, greedy: Optional[torch.Tensor], dp_group=None) -> Dict[str, torch.Tensor]:
     """Phase 4 for any `ppo.advantage_estimator` (p: the ppo config group); returns the group diagnostics
     (empty for gae). The KL goes into the reward only with ppo.kl_in=reward (else ppo_learn adds it to the loss)."""
-    from megatron_rlhf.trainer.experience import estimate_advantages
+    from megatron_rlhf.trainer.ppo.experience import estimate_advantages
 
     reward_beta = beta if p.kl_in == "reward" else 0.0
     if p.advantage_estimator == "gae":
@@ -76,8 +76,8 @@ def remax_baseline(engine, prompt_rows: List[List[int]], tokenizer, reward_chunk
     """ReMax: [B] scores (RM, or the missing-EOS penalty) of one greedy response per prompt of this rank;
     None for the other estimators."""
     from megatron_rlhf.rollout.base import SamplingParams
-    from megatron_rlhf.trainer.experience import score_responses
-    from megatron_rlhf.trainer.ppo_eval import generate
+    from megatron_rlhf.trainer.ppo.experience import score_responses
+    from megatron_rlhf.trainer.ppo.eval import generate
 
     p = cfg.ppo
     if p.advantage_estimator != "remax":

@@ -13,7 +13,7 @@ Malformed rows (missing field, wrong type, empty text, invalid JSON) are counted
 stops with `DataError` when their fraction exceeds ``data.max_bad_fraction``. Over-long examples are
 truncated or dropped (``data.overlong``) and counted. Every load reports one summary line.
 
-Batches: `collate.py` turns examples into padded tensors; `batching.py` decides which examples each
+Batches: `data/collate.py` turns examples into padded tensors; `data/sampler.py` decides which examples each
 data-parallel rank takes at each step.
 """
 
@@ -29,7 +29,7 @@ from typing import Any, Callable, Dict, List, Optional, Sequence
 
 import numpy as np
 
-from megatron_rlhf.config import DataConfig
+from megatron_rlhf.config.schema import DataConfig
 
 KINDS = ("sft", "preference", "prompt")
 FORMATS = ("jsonl", "json", "parquet", "arrow")

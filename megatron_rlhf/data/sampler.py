@@ -11,7 +11,7 @@ from typing import Dict, Iterator, List
 
 import numpy as np
 
-from megatron_rlhf.data import DataError
+from megatron_rlhf.data.dataset import DataError
 
 
 class ShardedBatchSampler:

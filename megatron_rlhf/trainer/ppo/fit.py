@@ -3,9 +3,9 @@
 One iteration, each phase timed as time/<phase>:
     1. rollout     ppo.rollout_batch_size prompts (split over data-parallel ranks) -> the RolloutEngine
     2-3. score     reward model, missing-EOS penalty, normalisation; old/reference logprobs, values
-    4. advantages  shaped rewards -> GAE -> whitening over all DP ranks (trainer/experience.py); or the
-                   critic-free ppo.advantage_estimator grpo/rloo/remax (trainer/critic_free.py)
-    5. train       ppo.epochs x minibatches: one policy step and one value step each (trainer/ppo_learn.py)
+    4. advantages  shaped rewards -> GAE -> whitening over all DP ranks (trainer/ppo/experience.py); or the
+                   critic-free ppo.advantage_estimator grpo/rloo/remax (trainer/ppo/critic_free.py)
+    5. train       ppo.epochs x minibatches: one policy step and one value step each (trainer/ppo/learn.py)
     6. after       KL controller, metrics + doctor warnings, eval, samples, checkpoint
 Everything a run needs to continue bit-identically is checkpointed (models, optimizers, schedulers, KL
 controller, doctor, prompt cursor, step counters); sampling draws are a function of (seed, iteration).
@@ -20,24 +20,24 @@ from typing import Dict, List
 
 import torch
 
-from megatron_rlhf import data as D
+from megatron_rlhf.data import dataset as D
 from megatron_rlhf.algo.kl import AdaptiveKLController, FixedKLController
-from megatron_rlhf.batch import Experience, all_gather_experience
-from megatron_rlhf.batching import ShardedBatchSampler
+from megatron_rlhf.trainer.ppo.batch import Experience, all_gather_experience
+from megatron_rlhf.data.sampler import ShardedBatchSampler
 from megatron_rlhf.checkpoint import state as ckpt
-from megatron_rlhf.metrics import peak_memory_gib
+from megatron_rlhf.parallel.cpu import peak_memory_gib
 from megatron_rlhf.parallel import init
-from megatron_rlhf.ppo_config import check_ppo_layout, rollouts_per_iteration
+from megatron_rlhf.config.ppo import check_ppo_layout, rollouts_per_iteration
 from megatron_rlhf.rollout.hybrid import make_rollout_engine
 from megatron_rlhf.rollout.offload import PhaseMemory, offloaded
-from megatron_rlhf.trainer import critic_free as cf
-from megatron_rlhf.trainer.doctor import Doctor
-from megatron_rlhf.trainer.experience import Frozen, rollout_stats, score_and_recompute
-from megatron_rlhf.trainer.ppo_eval import (evaluate, generate, load_gold_scorer, ppo_sampling, sample_panel, summary,
+from megatron_rlhf.trainer.ppo import critic_free as cf
+from megatron_rlhf.trainer.ppo.doctor import Doctor
+from megatron_rlhf.trainer.ppo.experience import Frozen, rollout_stats, score_and_recompute
+from megatron_rlhf.trainer.ppo.eval import (evaluate, generate, load_gold_scorer, ppo_sampling, sample_panel, summary,
                                            uniforms)
-from megatron_rlhf.trainer.ppo_learn import SkipGuard, TrainingDiverged, learn
-from megatron_rlhf.trainer.ppo_models import build_ppo_models
-from megatron_rlhf.trainer.ptx import PtxBatches
+from megatron_rlhf.trainer.ppo.learn import SkipGuard, TrainingDiverged, learn
+from megatron_rlhf.trainer.ppo.models import build_ppo_models
+from megatron_rlhf.trainer.ppo.ptx import PtxBatches
 from megatron_rlhf.trainer.run import (
     StopFlag, open_metrics, record_run, resume_point, save_or_stop, start_run, write_json,
 )

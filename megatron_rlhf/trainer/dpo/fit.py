@@ -22,8 +22,8 @@ from typing import Callable, Dict, List
 import torch
 
 from megatron_rlhf.algo.losses import dpo_loss
-from megatron_rlhf.batching import eval_batches
-from megatron_rlhf.collate import collate_preference, microbatches
+from megatron_rlhf.data.sampler import eval_batches
+from megatron_rlhf.data.collate import collate_preference, microbatches
 from megatron_rlhf.models.logprobs import token_logprobs
 from megatron_rlhf.trainer.loop import Stage, run_stage
 
@@ -72,7 +72,7 @@ def dpo_batch_loss(logits: torch.Tensor, batch: Batch, *, vocab_size: int, beta:
 
 
 def _stage_loss(output, batch, **kw):
-    from megatron_rlhf.trainer.experience import tp_group
+    from megatron_rlhf.trainer.ppo.experience import tp_group
 
     return dpo_batch_loss(output, batch, tp_group=tp_group(), **kw)
 
@@ -82,7 +82,7 @@ def _stage_loss(output, batch, **kw):
 
 def build_reference(cfg, ctx) -> List[torch.nn.Module]:
     """The SFT weights of `model.load` in the training layout, frozen (eval mode, no grad, no DDP)."""
-    from megatron_rlhf.trainer.ppo_models import freeze
+    from megatron_rlhf.trainer.ppo.models import freeze
     from megatron_rlhf.trainer.run import build_frozen
 
     return freeze(build_frozen(cfg, ctx, "lm", cfg.model.load, "policy"))
@@ -90,7 +90,7 @@ def build_reference(cfg, ctx) -> List[torch.nn.Module]:
 
 def reference_logps(reference, mbs: List[Batch], vocab_size: int) -> List[torch.Tensor]:
     """Forward-only pass of the reference: one [2b] tensor per micro-batch, on every pipeline rank."""
-    from megatron_rlhf.trainer.experience import forward_collect, tp_group
+    from megatron_rlhf.trainer.ppo.experience import forward_collect, tp_group
 
     return forward_collect(reference, mbs, lambda out, mb: sequence_logprobs(out, mb, vocab_size, tp_group()))
 
@@ -151,7 +151,7 @@ def prepare(cfg, ctx, splits, pad_to) -> Callable:
 
 
 def dpo_stage(cfg) -> Stage:
-    from megatron_rlhf.trainer.dpo_eval import summary_pass
+    from megatron_rlhf.trainer.dpo.eval import summary_pass
 
     d = cfg.dpo
     return Stage(

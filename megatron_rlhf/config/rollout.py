@@ -12,11 +12,12 @@ TP=1 x PP=2 generates at TP=1 x DP=2, with its weights resharded before every ro
 
 from __future__ import annotations
 
+import importlib.util
 from dataclasses import dataclass
 from typing import Optional
 
-from megatron_rlhf.fields import ConfigError
-from megatron_rlhf.fields import help_field as _f
+from megatron_rlhf.config.fields import ConfigError
+from megatron_rlhf.config.fields import help_field as _f
 
 
 @dataclass
@@ -64,6 +65,15 @@ def check_rollout(cfg, world: int) -> None:
         raise ConfigError(f"rollout.bucket_mb={r.bucket_mb} must be >= 1")
     check_layout_tp("rollout.tp", generation_tp(cfg), world, cfg.model.to_model_config(), cfg.parallel.tp)
     if r.engine == "vllm":
-        from megatron_rlhf.rollout.vllm_engine import require_vllm
-
         require_vllm()
+
+
+def require_vllm() -> None:
+    """One-line ConfigError when vLLM cannot run here: no CUDA device, or the vllm package missing."""
+    from megatron_rlhf.parallel.cpu import cuda_available  # torch: only when the vLLM engine is asked for
+
+    if not cuda_available():
+        raise ConfigError("rollout.engine=vllm needs CUDA GPUs and none is visible: use rollout.engine=megatron on CPU")
+    if importlib.util.find_spec("vllm") is None:
+        raise ConfigError("rollout.engine=vllm needs the vllm package, which is not installed: "
+                          "pip install vllm, or use rollout.engine=megatron")

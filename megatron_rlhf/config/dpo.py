@@ -15,8 +15,8 @@ import os
 from dataclasses import dataclass
 from typing import Optional
 
-from megatron_rlhf.fields import help_field as _f
-from megatron_rlhf.fields import require
+from megatron_rlhf.config.fields import help_field as _f
+from megatron_rlhf.config.fields import require
 
 
 @dataclass

@@ -15,10 +15,10 @@ from typing import Dict, List, Tuple
 
 import torch
 
-from megatron_rlhf import data as D
-from megatron_rlhf.batching import ShardedBatchSampler
-from megatron_rlhf.collate import collate_sft, microbatches
-from megatron_rlhf.trainer.experience import tp_group
+from megatron_rlhf.data import dataset as D
+from megatron_rlhf.data.sampler import ShardedBatchSampler
+from megatron_rlhf.data.collate import collate_sft, microbatches
+from megatron_rlhf.trainer.ppo.experience import tp_group
 
 Batch = Dict[str, torch.Tensor]
 

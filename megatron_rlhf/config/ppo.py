@@ -2,12 +2,48 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import math
+from dataclasses import dataclass, fields
 from typing import Optional
 
-from megatron_rlhf.fields import ConfigError, require
-from megatron_rlhf.fields import help_field as _f
-from megatron_rlhf.trainer.doctor import DoctorConfig
+from megatron_rlhf.config.fields import ConfigError, paths_exist, require
+from megatron_rlhf.config.fields import help_field as _f
+
+
+@dataclass
+class DoctorConfig:
+    """Thresholds of the live warnings (trainer/ppo/doctor.py); the defaults are conservative enough for a healthy run to stay silent."""
+
+    early: int = 5  # first observations averaged into a metric's "initial level" (KL, entropy, truncation)
+    repeat_every: int = 10  # emit a warning at most once per this many iterations (per name)
+    kl_window: int = 5  # kl_blowup: KL rose by more than kl_jump nats over this many iterations...
+    kl_jump: float = 2.0
+    kl_multiple: float = 10.0  # ...or exceeds kl_multiple * max(initial KL, kl_floor)
+    kl_floor: float = 1.0  # the initial KL is ~0 (policy == reference), so floor it: default limit 10 nats
+    clip_fraction_max: float = 0.3  # clip_fraction: fraction of clipped ratios above this
+    approx_kl_max: float = 0.05  # approx_kl: 0.5*mean((logp_new-logp_old)^2) above this
+    negative_kl_window: int = 3  # negative_kl: mean KL per sequence over this window below -negative_kl_tol
+    negative_kl_tol: float = 0.05  # nats per sequence; k1 is unbiased, so only noise makes it dip below 0
+    ev_warmup: int = 20  # value_lag: only after this many observations (the value model starts cold)
+    ev_window: int = 5
+    ev_min: float = 0.0  # value_lag: windowed mean explained variance <= this
+    entropy_fraction: float = 0.5  # entropy_collapse: below this fraction of its initial level...
+    entropy_window: int = 5  # ...for this many observations in a row (steadily, not a dip)
+    truncation_margin: float = 0.1  # truncation_rising: windowed mean above initial + margin...
+    truncation_window: int = 5  # ...and above the mean of the window before it (still rising)
+    rho_tol: float = 0.05  # rho_off: |mean sampler/trainer ratio - 1| above this
+    eval_window: int = 3  # reward_hacking: over the last this many evals, gold fell and RM rose...
+    eval_tol: float = 0.01  # ...each by more than this (score units)
+    no_signal_fraction: float = 0.5  # no_signal: mean fraction of all-equal groups above this...
+    no_signal_window: int = 3  # ...over this many observations
+
+    def __post_init__(self):
+        for f in fields(self):
+            v = getattr(self, f.name)
+            if isinstance(f.default, int) and (not isinstance(v, int) or v < 1):
+                raise ValueError(f"ppo.doctor.{f.name}={v!r} must be an integer >= 1")
+            if not isinstance(v, (int, float)) or not math.isfinite(v) or (v < 0 and f.name != "ev_min"):
+                raise ValueError(f"ppo.doctor.{f.name}={v!r} must be a finite number >= 0")
 
 
 @dataclass
@@ -53,7 +89,7 @@ class PPOSection:
     eval_prompts: int = _f(256, "held-out prompts per evaluation (data.eval_path)")
     sample_interval: int = _f(10, "write a text panel of sample responses every N iterations; 0 = off")
     gold_scorer: Optional[str] = _f(None, "'module:function' (prompts, responses) -> gold scores, e.g. the tiny task's true score")
-    doctor: DoctorConfig = _f(help="thresholds of the live warnings (trainer/doctor.py), e.g. ppo.doctor.entropy_fraction=0.1",
+    doctor: DoctorConfig = _f(help="thresholds of the live warnings (trainer/ppo/doctor.py), e.g. ppo.doctor.entropy_fraction=0.1",
                               factory=DoctorConfig)
     max_consecutive_skips: int = _f(3, "stop after this many optimizer steps in a row skipped for NaN/Inf")
     inference_tp: Optional[int] = _f(None, "reference and reward models in their own layout: TP=this, PP=1, "
@@ -132,9 +168,7 @@ def validate_siblings(cfg) -> None:
             "PPO-ptx micro-batches are not padded to the pipeline's fixed width yet; use parallel.pp=1 or ppo.ptx_coef=0")
     require(p.ptx_coef == 0 or p.ptx_data is not None,
             f"ppo.ptx_coef={p.ptx_coef} needs ppo.ptx_data (SFT-format rows: prompt, response)")
-    from megatron_rlhf.config import _paths_exist  # config imports this module: import at call time
-
-    require(p.ptx_data is None or _paths_exist(p.ptx_data), f"ppo.ptx_data: '{p.ptx_data}' not found")
+    require(p.ptx_data is None or paths_exist(p.ptx_data), f"ppo.ptx_data: '{p.ptx_data}' not found")
 
 
 def check_ppo_layout(cfg, dp_size: int) -> None:
@@ -154,12 +188,12 @@ def check_ppo_layout(cfg, dp_size: int) -> None:
             "the PPO stage supports tp, pp (and vpp) and dp; got "
             f"parallel.cp={cfg.parallel.cp}, sequence_parallel={cfg.parallel.sequence_parallel}: use cp=1 and no "
             "sequence_parallel")
-    from megatron_rlhf.rollout_config import check_rollout
+    from megatron_rlhf.config.rollout import check_rollout
 
     # Generation runs in its own tp-only layout (rollout/hybrid.py), so any pp trains.
     world = dp_size * cfg.parallel.tp * cfg.parallel.pp * cfg.parallel.cp
     check_rollout(cfg, world)
     if p.inference_tp is not None:
-        from megatron_rlhf.rollout_config import check_layout_tp
+        from megatron_rlhf.config.rollout import check_layout_tp
 
         check_layout_tp("ppo.inference_tp", p.inference_tp, world, cfg.model.to_model_config(), cfg.parallel.tp)

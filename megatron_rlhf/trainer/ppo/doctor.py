@@ -26,8 +26,9 @@ from __future__ import annotations
 
 import copy
 import math
-from dataclasses import dataclass, fields
 from typing import Any, Dict, List, Mapping, NamedTuple, Optional
+
+from megatron_rlhf.config.ppo import DoctorConfig
 
 NAMES = (
     "kl_blowup", "clip_fraction", "approx_kl", "negative_kl", "value_lag",
@@ -55,42 +56,6 @@ ADVICE = {  # what to do, appended to the numbers of each warning
     "no_signal": "most groups score all alike, so their advantages are zero; raise ppo.samples_per_prompt or "
     "ppo.temperature, use harder prompts, or a reward that separates responses",
 }
-
-
-@dataclass
-class DoctorConfig:
-    """Thresholds; the defaults are conservative enough for a healthy run to stay silent."""
-
-    early: int = 5  # first observations averaged into a metric's "initial level" (KL, entropy, truncation)
-    repeat_every: int = 10  # emit a warning at most once per this many iterations (per name)
-    kl_window: int = 5  # kl_blowup: KL rose by more than kl_jump nats over this many iterations...
-    kl_jump: float = 2.0
-    kl_multiple: float = 10.0  # ...or exceeds kl_multiple * max(initial KL, kl_floor)
-    kl_floor: float = 1.0  # the initial KL is ~0 (policy == reference), so floor it: default limit 10 nats
-    clip_fraction_max: float = 0.3  # clip_fraction: fraction of clipped ratios above this
-    approx_kl_max: float = 0.05  # approx_kl: 0.5*mean((logp_new-logp_old)^2) above this
-    negative_kl_window: int = 3  # negative_kl: mean KL per sequence over this window below -negative_kl_tol
-    negative_kl_tol: float = 0.05  # nats per sequence; k1 is unbiased, so only noise makes it dip below 0
-    ev_warmup: int = 20  # value_lag: only after this many observations (the value model starts cold)
-    ev_window: int = 5
-    ev_min: float = 0.0  # value_lag: windowed mean explained variance <= this
-    entropy_fraction: float = 0.5  # entropy_collapse: below this fraction of its initial level...
-    entropy_window: int = 5  # ...for this many observations in a row (steadily, not a dip)
-    truncation_margin: float = 0.1  # truncation_rising: windowed mean above initial + margin...
-    truncation_window: int = 5  # ...and above the mean of the window before it (still rising)
-    rho_tol: float = 0.05  # rho_off: |mean sampler/trainer ratio - 1| above this
-    eval_window: int = 3  # reward_hacking: over the last this many evals, gold fell and RM rose...
-    eval_tol: float = 0.01  # ...each by more than this (score units)
-    no_signal_fraction: float = 0.5  # no_signal: mean fraction of all-equal groups above this...
-    no_signal_window: int = 3  # ...over this many observations
-
-    def __post_init__(self):
-        for f in fields(self):
-            v = getattr(self, f.name)
-            if isinstance(f.default, int) and (not isinstance(v, int) or v < 1):
-                raise ValueError(f"ppo.doctor.{f.name}={v!r} must be an integer >= 1")
-            if not isinstance(v, (int, float)) or not math.isfinite(v) or (v < 0 and f.name != "ev_min"):
-                raise ValueError(f"ppo.doctor.{f.name}={v!r} must be a finite number >= 0")
 
 
 class DoctorWarning(NamedTuple):

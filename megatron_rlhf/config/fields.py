@@ -1,7 +1,9 @@
-"""The two pieces every config group module needs: the error type and a field with help text."""
+"""What every config group module needs: the error type, a field with help text, and small checks."""
 
 from __future__ import annotations
 
+import glob
+import os
 from dataclasses import field
 from typing import Any, Optional, Sequence
 
@@ -24,3 +26,8 @@ def require(cond: bool, message: str) -> None:
     """Raise `ConfigError(message)` unless `cond`."""
     if not cond:
         raise ConfigError(message)
+
+
+def paths_exist(pattern: str) -> bool:
+    """A path, or a glob pattern that matches at least one path."""
+    return os.path.exists(pattern) or bool(glob.glob(pattern))

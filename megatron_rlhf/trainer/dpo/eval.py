@@ -2,7 +2,7 @@
 
 After the last step (Stage.finalize), with `dpo.eval_prompts_path` set: the first `dpo.eval_prompts`
 prompts, split over data-parallel ranks, are sampled from the reference (the SFT policy) and from the
-trained policy with the SAME draws that PPO's evaluation uses (trainer/ppo_eval.py: seed
+trained policy with the SAME draws that PPO's evaluation uses (trainer/ppo/eval.py: seed
 train.seed + EVAL_SEED_OFFSET, iteration 0), then greedily. Written to <run_dir>/summary.json with the
 keys of PPO's summary, `dpo` in place of `ppo`:
 
@@ -18,12 +18,12 @@ from typing import Dict, List
 
 import torch
 
-from megatron_rlhf import data as D
+from megatron_rlhf.data import dataset as D
 from megatron_rlhf.algo import masked
 from megatron_rlhf.rollout.base import SamplingParams
 from megatron_rlhf.rollout.megatron_engine import MegatronRolloutEngine
-from megatron_rlhf.trainer.experience import forward_collect, response_logprobs
-from megatron_rlhf.trainer.ppo_eval import EVAL_SEED_OFFSET, generate, gold_scores, load_gold_scorer, uniforms
+from megatron_rlhf.trainer.ppo.experience import forward_collect, response_logprobs
+from megatron_rlhf.trainer.ppo.eval import EVAL_SEED_OFFSET, generate, gold_scores, load_gold_scorer, uniforms
 
 
 def _means(values: Dict[str, torch.Tensor], dp_group) -> Dict[str, float]:
@@ -69,7 +69,7 @@ def summary_pass(cfg, chunks, tokenizer, dp_rank: int, dp_size: int, log) -> Dic
         return {}
     from megatron_rlhf.checkpoint import state as ckpt
     from megatron_rlhf.models.build import build_model
-    from megatron_rlhf.trainer.ppo_models import freeze
+    from megatron_rlhf.trainer.ppo.models import freeze
 
     prompt_cfg = dataclasses.replace(cfg.data, train_path=d.eval_prompts_path, eval_path=None)
     rows, _ = D.load_examples("prompt", prompt_cfg, tokenizer, log=log)

@@ -3,7 +3,7 @@
     2. score:       reward model at the last real token; no EOS -> -missing_eos_penalty; normalised
     3. recompute:   policy logprobs (PPO's old logprobs), reference logprobs, values
     4. advantages:  shaped rewards -> GAE -> whitening over all data-parallel ranks (the critic-free
-                    estimators: trainer/critic_free.py)
+                    estimators: trainer/ppo/critic_free.py)
 
 Every forward goes through Megatron's schedule (`run_schedule`, forward only), so pipelined layouts
 work the same way; per-token outputs are read at the response positions of `Experience.response_index`.
@@ -19,7 +19,8 @@ import torch
 from megatron_rlhf.algo import advantages as adv
 from megatron_rlhf.algo import masked
 from megatron_rlhf.algo.rewards import penalize_missing_eos, shaped_rewards
-from megatron_rlhf.batch import Experience
+from megatron_rlhf.trainer.ppo.batch import Experience
+from megatron_rlhf.models import heads
 from megatron_rlhf.models.logprobs import token_entropy, token_logprobs
 from megatron_rlhf.trainer.step import position_ids_for, run_schedule
 
@@ -67,16 +68,15 @@ def response_values(output: torch.Tensor, mb: Batch) -> torch.Tensor:
 
 def last_token_scores(output: torch.Tensor, mb: Batch) -> torch.Tensor:
     """Scalar-head output [b, S, 1] -> [b] at each row's last real token (prompt + response - 1)."""
-    last = (mb["prompt_lengths"] + mb["response_mask"].sum(-1).long() - 1).clamp(min=0)
-    return output.squeeze(-1).gather(1, last.unsqueeze(1)).squeeze(1).float()
+    return heads.last_token_scores(output, mb["prompt_lengths"] + mb["response_mask"].sum(-1).long())
 
 
 def forward_collect(chunks, microbatches: List[Batch], extract: Callable[[torch.Tensor, Batch], torch.Tensor]) -> List[torch.Tensor]:
     """Forward-only pass; `extract(output, mb)` per micro-batch, returned on every pipeline rank.
 
-    `chunks` may be a frozen model in its own layout (trainer/inference_layout.py): it computes the
+    `chunks` may be a frozen model in its own layout (trainer/ppo/inference_layout.py): it computes the
     same quantity for the rows of all micro-batches at once, or a reference kept in host memory
-    (trainer/reference_swap.py): the policy's chunks run with the reference weights swapped in."""
+    (trainer/ppo/reference_swap.py): the policy's chunks run with the reference weights swapped in."""
     from megatron.core import parallel_state as ps
 
     if hasattr(chunks, "collect_rows"):

@@ -20,9 +20,9 @@ from typing import Callable, Dict, List, Optional, Sequence
 import torch
 
 from megatron_rlhf.algo import masked
-from megatron_rlhf.batch import Experience, build_experience
+from megatron_rlhf.trainer.ppo.batch import Experience, build_experience
 from megatron_rlhf.rollout.base import SamplingParams
-from megatron_rlhf.trainer.experience import Frozen, score_and_recompute
+from megatron_rlhf.trainer.ppo.experience import Frozen, score_and_recompute
 
 GoldScorer = Callable[[List[str], List[str]], Sequence[float]]
 EVAL_SEED_OFFSET = 7_777_777  # eval draws never coincide with a training iteration's
@@ -32,7 +32,7 @@ def load_gold_scorer(spec: Optional[str]) -> Optional[GoldScorer]:
     """'module:function' -> the function (None when not configured)."""
     if not spec:
         return None
-    from megatron_rlhf.fields import ConfigError
+    from megatron_rlhf.config.fields import ConfigError
 
     module, _, name = spec.partition(":")
     try:
@@ -74,7 +74,7 @@ def ppo_sampling(p, greedy: bool = False) -> SamplingParams:
 def generate(engine, prompt_rows: List[List[int]], tokenizer, sampling: SamplingParams,
              draws: Optional[torch.Tensor]) -> Experience:
     """Left-pad the prompts, generate, and assemble the rollout part of an Experience."""
-    from megatron_rlhf.collate import collate_prompts
+    from megatron_rlhf.data.collate import collate_prompts
 
     batch = collate_prompts([{"prompt_ids": p} for p in prompt_rows], pad_id=tokenizer.pad_token_id)
     out = engine.generate(batch["input_ids"], batch["attention_mask"], sampling, uniforms=draws)

@@ -1,0 +1,1 @@
+"""DPO on preference pairs against the frozen SFT policy: `fit` (the stage), `eval` (held-out checks)."""
