@@ -20,7 +20,7 @@ setup(
         "psutil",  # megatron's dist_checkpointing needs it; a missing one hangs the other ranks
     ],
     extras_require={
-        # nemo-run: the tests render its Slurm dry runs (issue 10); ~350 MB with ray, installs in under a minute.
+        # nemo-run: the tests render its Slurm dry runs; ~350 MB with ray, installs in under a minute.
         "test": ["pytest", "hypothesis", "transformers", "safetensors", "nemo-run==0.11.1", "leptonai<0.47"],
         # GPU-only paths, imported lazily. NVIDIA Apex is used when importable (NGC containers);
         # the registry package named "apex" is unrelated and must never be a dependency.

@@ -1,7 +1,7 @@
 """Colocated vLLM engine (GPU only; vllm is imported lazily, never at module import).
 
-Written against vLLM's documented offline API and NOT yet run: the session that wrote it had no GPU
-(tests/gpu/test_vllm_engine.py is the check to run on one). The pieces:
+Written against vLLM's documented offline API and not yet run on a GPU (tests/gpu/test_vllm_engine.py
+is the check to run on one). The pieces:
 
 - one `vllm.LLM` per rank in the same torchrun job (`distributed_executor_backend="external_launcher"`),
   TP = rollout.tp over consecutive ranks, DP = world / tp, `enable_sleep_mode=True`, started from dummy
@@ -9,7 +9,7 @@ Written against vLLM's documented offline API and NOT yet run: the session that 
 - each `generate`: wake the weights -> `load_weights` from the policy streamed as full HF tensors
   (`models/hf_mapping.iter_hf_weights`, a collective over the training layout) in buckets of
   `rollout.bucket_mb` -> wake the KV cache -> generate this generation-DP rank's rows
-  (rollout/hybrid.py's `generate_in_layout`) -> sleep (level 1); from the weight update to the sleep the
+  (rollout/layout.py's `generate_in_layout`) -> sleep (level 1); from the weight update to the sleep the
   training weights wait in host memory (`rollout.release_training_weights`);
 - sampling mapped one to one: temperature (0 for greedy), top-p/top-k only when asked, stop at EOS, `max_tokens`,
   the log-prob of each sampled token after temperature (`logprobs_mode="processed_logprobs"`).

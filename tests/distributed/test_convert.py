@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import pytest
 
-from megatron_rlhf.checkpoint.hf import hf_to_megatron_main
+from megatron_rlhf.checkpoint.convert_cli import hf_to_megatron_main
 from tests.distributed.launch import read_json, torchrun
 from tests.unit.hf_tiny_models import ALL, save_all
 
