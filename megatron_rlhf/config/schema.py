@@ -222,7 +222,7 @@ class PPOConfig(RunConfig):
 
     `model.load` is the SFT checkpoint (policy init and the frozen reference); `data.train_path` /
     `data.eval_path` hold prompt rows; the `train` group sets the policy optimizer (lr, Adam, clipping,
-    micro_batch_size); the `ppo` group the rest (ppo_config.PPOSection).
+    micro_batch_size); the `ppo` group the rest (config/ppo.py PPOSection).
     """
 
     ppo: PPOSection = field(default_factory=PPOSection)
@@ -234,7 +234,7 @@ class DPOConfig(RunConfig):
     """`megatron-rlhf dpo`: DPO on (prompt, chosen, rejected) rows against a frozen SFT reference.
 
     `model.load` is the SFT checkpoint (policy init and the reference); `train` sets the optimizer and
-    `train.global_batch_size` pairs per step; the `dpo` group the rest (dpo_config.DPOSection).
+    `train.global_batch_size` pairs per step; the `dpo` group the rest (config/dpo.py DPOSection).
     """
 
     dpo: DPOSection = field(default_factory=DPOSection)

@@ -59,7 +59,7 @@ def build_in_layout(model_cfg, train_tp: int, layout: Layout, head: str = "lm") 
     """A GPTModel for `layout` (random weights: a swap or a load replaces them).
 
     The vocabulary keeps the padding of the training TP (`model_cfg.padded_vocab_size(train_tp)`), so
-    every vocab-parallel tensor has the same global shape in both layouts (rollout_config checks that
+    every vocab-parallel tensor has the same global shape in both layouts (config/rollout.py checks that
     `layout.tp` divides it)."""
     from megatron_rlhf.models.build import build_model_chunk
     from megatron_rlhf.models.spec import transformer_config

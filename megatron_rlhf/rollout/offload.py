@@ -17,7 +17,7 @@ replaces `p.data` and so cuts an fp32 distributed optimizer's shard off the mode
 round trip restores every byte and every view, so training continues bit-identically.
 
 `released(chunks)` does the same for a model's weights: an engine that decodes with a copy of its own
-(rollout/hybrid.py's generation layout, vLLM) releases the policy's training weights once the copy holds
+(rollout/hybrid.py's generation copy, vLLM) releases the policy's training weights once the copy holds
 them, and gets them back, byte for byte, before training needs them.
 
 On CPU there is no device memory to free: by default the moves are no-ops (`device_type=None`). Tests

@@ -113,7 +113,7 @@ def test_llama3_70b_recipe_by_hand():
     (["parallel.vpp=3"], LayoutError, "model.num_layers=80 is not divisible by pp*vpp = 4*3 = 12"),
     (["parallel.recompute=some"], LayoutError, "parallel.recompute='some' is not one of"),
     (["ppo.minibatch_size=66"], ConfigError, "ppo.minibatch_size=66 is not divisible by data-parallel size * train.micro_batch_size = 4*1"),
-    # The PPO stage's own start-up checks (ppo_config.check_ppo_layout): what the run refuses, the plan refuses.
+    # The PPO stage's own start-up checks (config/ppo.py check_ppo_layout): what the run refuses, the plan refuses.
     (["ppo.rollout_batch_size=522"], ConfigError, "ppo.rollout_batch_size=522 prompts do not split over 4 data-parallel ranks"),
     (["parallel.sequence_parallel=true"], ConfigError, "the PPO stage supports tp, pp (and vpp) and dp"),
     (["rollout.tp=3"], ConfigError, "rollout.tp=3 does not divide the world size 128"),

@@ -98,7 +98,7 @@ def reference_logps(reference, mbs: List[Batch], vocab_size: int) -> List[torch.
 def precompute_table(reference, dataset, cfg, tokenizer, pad_to, vocab_size: int) -> torch.Tensor:
     """[N, 2] (chosen, rejected) reference logprobs of every pair of `dataset`, identical on every rank.
 
-    Each data-parallel rank computes a contiguous share (batching.eval_batches); a SUM all-reduce of the
+    Each data-parallel rank computes a contiguous share (data/sampler.py eval_batches); a SUM all-reduce of the
     zero-filled tables over the data-parallel group assembles it (each entry has one non-zero term)."""
     from megatron.core import parallel_state as ps
 

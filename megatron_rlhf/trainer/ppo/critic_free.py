@@ -60,7 +60,7 @@ def estimate_critic_free(exp: Experience, estimator: str, k: int, beta: float, k
 
 def estimate(exp: Experience, p, beta: float, greedy: Optional[torch.Tensor], dp_group=None) -> Dict[str, torch.Tensor]:
     """Phase 4 for any `ppo.advantage_estimator` (p: the ppo config group); returns the group diagnostics
-    (empty for gae). The KL goes into the reward only with ppo.kl_in=reward (else ppo_learn adds it to the loss)."""
+    (empty for gae). The KL goes into the reward only with ppo.kl_in=reward (else learn.py adds it to the loss)."""
     from megatron_rlhf.trainer.ppo.experience import estimate_advantages
 
     reward_beta = beta if p.kl_in == "reward" else 0.0

@@ -1,7 +1,7 @@
 """Frozen reference and reward models in the inference layout (`ppo.inference_tp`: TP = inference_tp,
 PP = 1, DP = world / inference_tp), apart from the training layout.
 
-The models are built with their own process groups (rollout/hybrid.py's `tp_only_layout`) and filled
+The models are built with their own process groups (rollout/layout.py's `tp_only_layout`) and filled
 from their distributed checkpoints, resharded at load: no training-layout copy is ever built.
 Scoring moves rows as generation does (rollout/redistribute.py): the rollouts of all training DP
 shares are gathered in training DP order, split over inference DP ranks, run forward (no pipeline
@@ -30,7 +30,7 @@ class InferenceModel:
         self.model, self.layout, self.head = model.eval(), layout, head
         self.vocab_size, self.temperature = vocab_size, temperature
 
-    def __iter__(self):  # a list of one chunk to the helpers that move frozen models (ppo_models.resident)
+    def __iter__(self):  # a list of one chunk to the helpers that move frozen models (models.resident)
         return iter([self.model])
 
     def collect_rows(self, microbatches: List[Dict[str, torch.Tensor]]) -> torch.Tensor:

@@ -43,7 +43,7 @@ class HostReference:
         self.inside = False
 
     def __iter__(self):
-        # Nothing for ppo_models.resident / offload_now to move: the weights are in host memory already,
+        # Nothing for models.resident / offload_now to move: the weights are in host memory already,
         # and the policy's chunks must never be moved by them.
         return iter(())
 
