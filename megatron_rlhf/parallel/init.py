@@ -14,7 +14,7 @@ from typing import Mapping, Optional
 
 import torch
 
-from megatron_rlhf.parallel import cpu, lifetime
+from megatron_rlhf.parallel import cpu, lifetime, watchdog
 from megatron_rlhf.parallel.layout import ParallelConfig
 
 
@@ -82,7 +82,8 @@ def initialize(parallel: ParallelConfig, seed: int = 1234) -> DistEnv:
     from megatron.core import parallel_state
     from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
 
-    env = init_process_group()
+    env = init_process_group(timeout_s=parallel.timeout_s + 60)  # the watchdog's line comes before gloo's timeout
+    watchdog.start(parallel.timeout_s)
     if parallel_state.model_parallel_is_initialized():
         parallel_state.destroy_model_parallel()
     parallel_state.initialize_model_parallel(
@@ -99,6 +100,7 @@ def initialize(parallel: ParallelConfig, seed: int = 1234) -> DistEnv:
 def destroy() -> None:
     from megatron.core import parallel_state
 
+    watchdog.stop()
     if parallel_state.model_parallel_is_initialized():
         parallel_state.destroy_model_parallel()
     if torch.distributed.is_initialized():

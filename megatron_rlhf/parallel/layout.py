@@ -35,6 +35,9 @@ class ParallelConfig:
     sequence_parallel: bool = False
     use_distributed_optimizer: bool = False
     recompute: Optional[str] = None  # activation recompute: None | "selective" (attention) | "full" (every layer)
+    # Seconds a rank may wait in a collective for the others before the job is ended, naming the rank it
+    # waited for (parallel/watchdog.py); the process-group timeout is set a minute beyond it.
+    timeout_s: int = 600
 
     def dp(self, world_size: int) -> int:
         return world_size // (self.tp * self.pp * self.cp)
@@ -70,6 +73,8 @@ def validate_layout(
     for name in ("tp", "pp", "cp"):
         if getattr(p, name) < 1:
             raise LayoutError(f"parallel.{name}={getattr(p, name)} must be >= 1")
+    if not p.timeout_s >= 10:
+        raise LayoutError(f"parallel.timeout_s={p.timeout_s} must be >= 10 (seconds a rank may wait for the others)")
     model_parallel = p.tp * p.pp * p.cp
     if world_size % model_parallel != 0:
         raise LayoutError(

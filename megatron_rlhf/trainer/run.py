@@ -15,7 +15,6 @@ import os
 import signal
 from dataclasses import dataclass, replace
 from pathlib import Path
-from pathlib import Path
 from typing import Any, Callable, List, Optional, Sequence
 
 import torch
@@ -23,7 +22,6 @@ import torch
 from megatron_rlhf.config import schema as C
 from megatron_rlhf.config import io as config_io
 from megatron_rlhf.data import dataset as D
-from megatron_rlhf.checkpoint import run_dir
 from megatron_rlhf.checkpoint import run_dir
 from megatron_rlhf.checkpoint import state as ckpt
 from megatron_rlhf.models.build import build_model
@@ -45,7 +43,6 @@ class RunContext:
     log: Optional[Callable[[str], None]]  # print on rank 0, None elsewhere
     tokenizer: Any
     ckpt_root: str
-    run: ckpt.RunRecord  # stage + run id, recorded in each checkpoint; a resumed run takes its checkpoint's id
     run: ckpt.RunRecord  # stage + run id, recorded in each checkpoint; a resumed run takes its checkpoint's id
 
 
@@ -75,7 +72,6 @@ def start_run(cfg, check_batch: Callable[[int], Any]) -> RunContext:
     from megatron.core import parallel_state as ps
 
     rank0 = torch.distributed.get_rank() == 0
-    _lock_run_dirs(cfg, rank0)
     _lock_run_dirs(cfg, rank0)
     tokenizer = D.load_tokenizer(cfg.tokenizer.path)
     D.check_vocab(tokenizer, model_cfg.vocab_size)
@@ -160,11 +156,14 @@ def record_run(cfg, ctx: RunContext) -> None:
 
 
 class StopFlag:
-    """SIGTERM / SIGUSR1 (Slurm preemption) ask for a checkpoint and a clean exit."""
+    """SIGTERM / SIGUSR1 (Slurm preemption) / SIGINT (Ctrl-C) ask for a checkpoint and a clean exit.
+
+    The rank's watchdog (parallel/watchdog.py) sees the same signals even while the main thread is wedged:
+    it ends a job that cannot reach the next stop check, and exits at once on a second Ctrl-C."""
 
     def __init__(self):
         self.requested = False
-        for sig in (signal.SIGTERM, signal.SIGUSR1):
+        for sig in (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT):
             signal.signal(sig, self._handle)
 
     def _handle(self, signum, frame):
