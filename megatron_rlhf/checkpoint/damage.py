@@ -59,7 +59,7 @@ def unusable_checkpoint_message(path: Path, e: BaseException, resume: bool = Tru
     cause = root_cause(e)
     if any(m in cause.lower() for m in _MISMATCH):
         fix = ("resume with the model settings it was saved with "
-               f"({path.parent / 'model_config.json'}), or start fresh with checkpoint.resume=never"
+               f"({path.parent / 'model_config.json'}), or start fresh with checkpoint.resume=never checkpoint.overwrite=true"
                if resume else "model.load needs a checkpoint of this architecture")
         return f"checkpoint {path} does not fit this model ({cause}): {fix}"
     return damaged_message(path, cause, resume)
@@ -71,9 +71,9 @@ def damaged_message(path: Path, cause: str, resume: bool = True) -> str:
     if resume:
         if older:
             fix = (f"resume from an older one by writing its name ({older[0]}) into {path.parent / 'latest'}, "
-                   "or start fresh with checkpoint.resume=never")
+                   "or start fresh with checkpoint.resume=never checkpoint.overwrite=true")
         else:
-            fix = "no older checkpoint is next to it: start fresh with checkpoint.resume=never"
+            fix = "no older checkpoint is next to it: start fresh with checkpoint.resume=never checkpoint.overwrite=true"
     else:
         fix = f"point model.load at an older one ({path.parent / older[0]})" if older else "convert or copy it again"
     return f"checkpoint {path} is damaged ({cause}): {fix}"

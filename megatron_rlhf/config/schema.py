@@ -167,6 +167,8 @@ class CheckpointConfig:
         "auto: resume when a checkpoint exists; never: start fresh; required: error without one",
         choices=("auto", "never", "required"),
     )
+    overwrite: bool = _f(False, "a fresh start in a directory holding checkpoints moves them aside "
+                                "(to <dir>/replaced-<time>/) instead of refusing to start")
 
 
 @dataclass

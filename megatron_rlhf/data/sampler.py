@@ -104,7 +104,7 @@ class ShardedBatchSampler:
                 raise DataError(
                     f"cannot resume the data cursor: the checkpoint has {key}={state[key]}, this run has "
                     f"{getattr(self, key)}; resume with the same data and batch size, or start fresh "
-                    "(checkpoint.resume=never)"
+                    "(checkpoint.resume=never checkpoint.overwrite=true)"
                 )
         self.epoch, self.step_in_epoch = int(state["epoch"]), int(state["step_in_epoch"])
 

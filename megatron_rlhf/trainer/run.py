@@ -142,8 +142,7 @@ def resume_point(cfg, ctx: RunContext):
         if record is not None:
             ctx.run = record
         return found
-    overwrite = getattr(cfg.checkpoint, "overwrite", False)
-    run_dir.check_fresh_start(Path(ctx.ckpt_root), ctx.run.stage, key, overwrite, ctx.rank0, ctx.log)
+    run_dir.check_fresh_start(Path(ctx.ckpt_root), ctx.run.stage, key, cfg.checkpoint.overwrite, ctx.rank0, ctx.log)
     torch.distributed.barrier()  # rank 0 has moved the old checkpoints aside before anyone writes
     return None
 

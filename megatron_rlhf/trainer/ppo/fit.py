@@ -102,7 +102,8 @@ def fit(cfg) -> Dict[str, float]:
         ckpt.save_checkpoint(ctx.ckpt_root, at, trained, optimizers, schedulers, {
             "data": sampler.state_dict(), "kl": kl_ctl.state_dict(), "doctor": doctor.state_dict(),
             "steps_done": steps_done, "baseline": baseline, "last_eval": last_eval,
-            **({"ptx": ptx.state_dict()} if ptx is not None else {})}, keep_last=cfg.checkpoint.keep_last)
+            **({"ptx": ptx.state_dict()} if ptx is not None else {})}, keep_last=cfg.checkpoint.keep_last,
+            run=ctx.run)
 
     engine = make_rollout_engine(cfg, ctx.model_cfg, m.policy.chunks, tok)  # rollout.tp: own layout if needed
     def evaluate_policy() -> Dict[str, float]:
