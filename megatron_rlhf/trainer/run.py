@@ -11,6 +11,7 @@
 from __future__ import annotations
 
 import json
+import math
 import os
 import signal
 from dataclasses import dataclass, replace
@@ -203,11 +204,22 @@ def open_metrics(cfg, ctx: RunContext, total_steps: int, start_step: int,
 
 
 def write_json(path: str, value: dict) -> None:
-    """Atomic JSON write (rank 0 calls it)."""
+    """Atomic JSON write (rank 0 calls it). A non-finite number becomes null: `NaN` is not JSON, and a
+    summary.json that other tools cannot parse loses the whole run's result."""
     tmp = path + ".tmp"
     with open(tmp, "w") as f:
-        json.dump(value, f, indent=2)
+        json.dump(_finite_or_null(value), f, indent=2, allow_nan=False)
     os.replace(tmp, path)
+
+
+def _finite_or_null(value):
+    if isinstance(value, float):
+        return value if math.isfinite(value) else None
+    if isinstance(value, dict):
+        return {k: _finite_or_null(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_finite_or_null(v) for v in value]
+    return value
 
 
 def with_lr(train_cfg, lr: Optional[float]):

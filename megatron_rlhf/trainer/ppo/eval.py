@@ -15,6 +15,7 @@ reward hacking shows: the RM score rises while the gold score falls.
 from __future__ import annotations
 
 import importlib
+import math
 from typing import Callable, Dict, List, Optional, Sequence
 
 import torch
@@ -37,8 +38,12 @@ def load_gold_scorer(spec: Optional[str]) -> Optional[GoldScorer]:
     module, _, name = spec.partition(":")
     try:
         fn = getattr(importlib.import_module(module), name)
-    except (ImportError, AttributeError) as e:
-        raise ConfigError(f"ppo.gold_scorer={spec!r} cannot be imported ({e}): give an importable 'module:function'") from None
+    except Exception as e:  # noqa: BLE001 - ImportError, AttributeError, a SyntaxError or any error of its module
+        raise ConfigError(f"ppo.gold_scorer={spec!r} cannot be imported ({type(e).__name__}: {e}): give an "
+                          "importable 'module:function'") from None
+    if not callable(fn):
+        raise ConfigError(f"ppo.gold_scorer={spec!r} is a {type(fn).__name__}, not a function: give "
+                          "'module:function' of a function (prompts, responses) -> one score per pair")
     return fn
 
 
@@ -56,8 +61,65 @@ def texts(tokenizer, exp: Experience) -> tuple[List[str], List[str]]:
 def gold_scores(gold: Optional[GoldScorer], tokenizer, exp: Experience) -> Optional[torch.Tensor]:
     if gold is None:
         return None
-    prompts, responses = texts(tokenizer, exp)
-    return torch.tensor([float(x) for x in gold(prompts, responses)], dtype=torch.float32)
+    return score_texts(gold, *texts(tokenizer, exp))
+
+
+def score_texts(gold: GoldScorer, prompts: List[str], responses: List[str]) -> torch.Tensor:
+    """The scorer's scores of these pairs, checked on every rank together (collective): whatever it does wrong
+    on any rank (raises, returns too many, too few, None, strings, NaN) is one ConfigError on every rank."""
+    scores, problem = None, None
+    try:
+        raw = gold(prompts, responses)
+    except Exception as e:  # noqa: BLE001 - any failure of user code is reported, with the prompt it failed on
+        problem = f"raised {type(e).__name__}: {e}{_failing_prompt(gold, prompts, responses)}"
+    else:
+        scores, problem = _as_scores(raw, prompts)
+    problems = [problem]
+    if torch.distributed.is_initialized() and torch.distributed.get_world_size() > 1:
+        problems = [None] * torch.distributed.get_world_size()
+        torch.distributed.all_gather_object(problems, problem)
+    first = next((p for p in problems if p is not None), None)
+    if first is not None:
+        from megatron_rlhf.config.fields import ConfigError
+
+        name = f"{getattr(gold, '__module__', '?')}:{getattr(gold, '__qualname__', gold)}"
+        raise ConfigError(f"ppo.gold_scorer ({name}) {first}: it must return one finite number per "
+                          "(prompt, response) pair, in order")
+    return scores
+
+
+def _failing_prompt(gold: GoldScorer, prompts: List[str], responses: List[str]) -> str:
+    """`on prompt '...'`: the first pair the scorer fails on alone (empty if it fails on none alone)."""
+    for p, r in zip(prompts, responses):
+        try:
+            gold([p], [r])
+        except Exception:  # noqa: BLE001
+            return f" on prompt {p!r} (response {r!r})"
+    return ""
+
+
+def _as_scores(raw, prompts: List[str]) -> tuple[Optional[torch.Tensor], Optional[str]]:
+    if raw is None or isinstance(raw, (str, bytes)) or not hasattr(raw, "__len__"):
+        return None, f"returned {_shown(raw)} for {len(prompts)} pairs"
+    values = raw.tolist() if hasattr(raw, "tolist") else list(raw)
+    if len(values) != len(prompts):
+        return None, f"returned {len(values)} scores for {len(prompts)} pairs"
+    out = []
+    for prompt, v in zip(prompts, values):
+        try:
+            if v is None or isinstance(v, (str, bytes, bool)):
+                raise TypeError
+            out.append(float(v))
+        except (TypeError, ValueError):
+            return None, f"returned {_shown(v)} for prompt {prompt!r}"
+        if not math.isfinite(out[-1]):
+            return None, f"returned {out[-1]} for prompt {prompt!r}"
+    return torch.tensor(out, dtype=torch.float32), None
+
+
+def _shown(v) -> str:
+    text = repr(v)
+    return f"{type(v).__name__} {text if len(text) <= 40 else text[:40] + '...'}"
 
 
 def uniforms(seed: int, iteration: int, rows: slice, total: int, max_new_tokens: int) -> torch.Tensor:
@@ -118,7 +180,7 @@ def sample_panel(exp: Experience, tokenizer, gold: Optional[GoldScorer], rows: i
     """A text table of the first `rows` rollouts: prompt | response | RM score | gold score."""
     part = exp.rows(range(min(rows, exp.size)))
     prompts, responses = texts(tokenizer, part)
-    golds = gold(prompts, responses) if gold is not None else [float("nan")] * part.size
+    golds = score_texts(gold, prompts, responses).tolist() if gold is not None else [float("nan")] * part.size
     lines = ["prompt | response | rm_score | gold_score"]
     for i in range(part.size):
         lines.append(f"{prompts[i]} | {responses[i]} | {float(part.rm_scores[i]):.3f} | {float(golds[i]):.3f}")
