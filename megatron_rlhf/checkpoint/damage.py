@@ -90,6 +90,8 @@ def check_metadata(path: Path, resume: bool = True) -> None:
         raise CheckpointError(damaged_message(path, f"metadata.json: {root_cause(e)}", resume)) from None
     if (path / "metadata.json").read_text().find("torch_dist") < 0:
         return  # another backend: nothing more to check here
+    if not (path / "common.pt").is_file():  # megatron's loader fails on it with "'str' object has no attribute 'iterdir'"
+        raise CheckpointError(damaged_message(path, "common.pt: missing", resume))
     from torch.distributed.checkpoint import FileSystemReader
 
     try:

@@ -114,7 +114,7 @@ def validate_ppo(cfg) -> None:
     require(p.temperature > 0, f"ppo.temperature={p.temperature} must be > 0")
     require(p.top_k >= 0, f"ppo.top_k={p.top_k} must be >= 0 (0: off)")
     require(0 < p.top_p <= 1, f"ppo.top_p={p.top_p} must be in (0, 1] (1: off)")
-    require(p.beta >= 0, f"ppo.beta={p.beta} must be >= 0")
+    require(math.isfinite(p.beta) and p.beta >= 0, f"ppo.beta={p.beta} must be a finite number >= 0")
     require(p.adaptive_kl_target is None or p.adaptive_kl_target > 0,
             f"ppo.adaptive_kl_target={p.adaptive_kl_target} must be > 0 or null")
     require(p.adaptive_kl_target is None or p.beta > 0, "ppo.adaptive_kl_target needs ppo.beta > 0 to scale from")

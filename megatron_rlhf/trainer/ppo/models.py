@@ -14,6 +14,7 @@ between uses (`resident`).
 from __future__ import annotations
 
 import contextlib
+import math
 from dataclasses import dataclass
 from typing import Dict, Iterator, List, Optional, Union
 
@@ -69,7 +70,31 @@ def reward_calibration(path: str) -> Dict[str, float]:
         raise ckpt.CheckpointError(
             f"reward model checkpoint {step_dir} has no reward_calibration: run stage 2 with calibration.enabled=true, "
             "or set ppo.normalize_reward=false")
+    check_calibration(calibration, step_dir / "common.pt")
     return calibration
+
+
+def check_calibration(calibration, where) -> None:
+    """mean finite and std finite and > 0: a std of 0 would multiply every reward by 1e6, a NaN mean diverge."""
+    def bad(why: str):
+        return ckpt.CheckpointError(
+            f"the reward calibration in {where} {why}: recalibrate the reward model (stage 2 with "
+            "calibration.enabled=true), or set ppo.normalize_reward=false")
+
+    if not isinstance(calibration, dict):
+        raise bad(f"is a {type(calibration).__name__}, not {{mean, std}}")
+    for key in ("mean", "std"):
+        v = calibration.get(key)
+        if v is None:
+            raise bad(f"has no {key}")
+        try:
+            v = float(v)
+        except (TypeError, ValueError):
+            raise bad(f"has {key}={calibration[key]!r}, not a number") from None
+        if not math.isfinite(v):
+            raise bad(f"has {key}={v}")
+    if float(calibration["std"]) <= 0:
+        raise bad(f"has std={calibration['std']}: the reward model gives every sample the same score")
 
 
 def build_ppo_models(cfg, ctx: RunContext, total_steps: int) -> PPOModels:
@@ -95,7 +120,7 @@ def build_ppo_models(cfg, ctx: RunContext, total_steps: int) -> PPOModels:
     mean, std = 0.0, 1.0
     if p.normalize_reward:
         cal = reward_calibration(p.reward_load)
-        mean, std = float(cal["mean"]), max(float(cal["std"]), 1e-6)
+        mean, std = float(cal["mean"]), float(cal["std"])
         if ctx.log:
             ctx.log(f"reward normalisation from {p.reward_load}: (score - {mean:.4f}) / {std:.4f}")
     offload_now(reference, p.offload_frozen)
