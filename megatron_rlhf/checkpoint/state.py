@@ -353,7 +353,7 @@ CONVERTED_META = "megatron_rlhf_meta.json"  # written by tools/convert_hf_to_meg
 
 
 def load_model_weights(path: str | os.PathLike, chunks, source_name: str, head: str, skip_head: bool = False,
-                       dp_group=None) -> None:
+                       dp_group=None, key: Optional[str] = None) -> None:
     """Initialise `chunks` (a model with `head` "lm"|"scalar") from a checkpoint, without optimizer state.
 
     `path` is a training checkpoint (root or step directory; the model saved as `source_name` is
@@ -362,25 +362,52 @@ def load_model_weights(path: str | os.PathLike, chunks, source_name: str, head: 
     the output layer is left as built: a fresh scalar head. Any TP/PP layout loads any checkpoint.
     `skip_head=True` keeps the built (fresh) output layer even when the source has the same head.
     `dp_group`: for a model built in a layout of its own (see `_model_state`), which then loads straight
-    into that layout.
+    into that layout. `key`: the setting `path` came from, named in errors (default: the usual one for
+    `source_name`).
     """
     import json
 
     from megatron.core import dist_checkpointing
 
+    key = key or KEY_OF.get(source_name, "model.load")
     step_dir = resolve_checkpoint_dir(path)
     if (step_dir / CONVERTED_META).exists():
         try:
             meta = json.loads((step_dir / CONVERTED_META).read_text())
         except ValueError as e:
-            raise CheckpointError(f"model.load: {step_dir / CONVERTED_META} is not valid JSON ({e})") from None
+            raise CheckpointError(f"{key}: {step_dir / CONVERTED_META} is not valid JSON ({e})") from None
         prefix, source_head = meta.get("key_prefix", ""), meta.get("head", "lm")
     else:
         prefix, source_head = f"{source_name}.", HEAD_OF.get(source_name, "lm")
+        _check_holds(step_dir, source_name, key)
     skip_head = skip_head or ("scalar" if source_head in ("scalar", "score") else "lm") != head
     template = _model_state(chunks, prefix, exclude="output_layer" if skip_head else None, dp_group=dp_group)
     try:
         loaded = dist_checkpointing.load({"m": template}, str(step_dir))
     except _load_failures() as e:
-        raise CheckpointError(f"model.load: {unusable_checkpoint_message(step_dir, e, resume=False)}") from e
+        raise CheckpointError(f"{key}: {unusable_checkpoint_message(step_dir, e, resume=False)}") from e
     _load_into(chunks, loaded["m"], prefix, strict=not skip_head)
+
+
+KEY_OF = {"policy": "model.load", "reward": "ppo.reward_load"}  # where each model usually comes from
+_WHAT = {"policy": "a policy (LM head)", "reference": "a reference policy (LM head)",
+         "reward": "a reward model (scalar head)", "value": "a value model (scalar head)"}
+_FROM = {"policy": "an SFT (or PPO/DPO) checkpoint or a converted HF model",
+         "reward": "a reward-model checkpoint (stage 2 output)"}
+
+
+def _check_holds(step_dir: Path, source_name: str, key: str) -> None:
+    """The checkpoint holds a model saved as `source_name`; else one line naming `key`, what it holds and
+    what it should point at (not "damaged": the files are fine, the setting points at another kind)."""
+    from torch.distributed.checkpoint import FileSystemReader
+
+    try:
+        names = {k.split(".")[0] for k in FileSystemReader(str(step_dir)).read_metadata().state_dict_metadata}
+    except Exception:  # noqa: BLE001 - unreadable metadata is reported as damage by the load itself
+        return
+    held = sorted(n for n in names if n in _WHAT)
+    if source_name in names or not held:
+        return
+    raise CheckpointError(
+        f"{key}: {step_dir} holds {' and '.join(_WHAT[n] for n in held)}, not {_WHAT.get(source_name, source_name)}: "
+        f"point {key} at {_FROM.get(source_name, 'a checkpoint holding one')}")

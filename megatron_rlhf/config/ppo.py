@@ -171,6 +171,28 @@ def validate_siblings(cfg) -> None:
     require(p.ptx_data is None or paths_exist(p.ptx_data), f"ppo.ptx_data: '{p.ptx_data}' not found")
 
 
+_SIZE = ("num_layers", "hidden_size", "ffn_hidden_size", "num_attention_heads", "num_query_groups")
+
+
+def check_same_size(cfg, read_model_config) -> None:
+    """The reward and value models are built with the policy's architecture (one ModelConfig for all four
+    models, and the planner counts them so): a checkpoint of another size is refused here, before any work,
+    instead of a shape mismatch at load. `read_model_config`: schema's reader of a checkpoint's architecture."""
+    policy = {f: getattr(cfg.model, f) for f in _SIZE}
+    for key in ("reward_load", "value_load"):
+        path = getattr(cfg.ppo, key)
+        arch = read_model_config(path) if path and paths_exist(path) else None
+        if arch is None:
+            continue
+        theirs = {f: getattr(arch, f) for f in _SIZE}
+        diff = [f for f in _SIZE if theirs[f] != policy[f]]
+        if diff:
+            raise ConfigError(
+                f"ppo.{key}: the model in {path} has {', '.join(f'{f}={theirs[f]}' for f in diff)} but the policy has "
+                f"{', '.join(f'{f}={policy[f]}' for f in diff)}: a reward or value model of another size than the "
+                "policy is not supported; train the reward model from the SFT checkpoint (stage 2, model.load)")
+
+
 def check_ppo_layout(cfg, dp_size: int) -> None:
     """The rollout and minibatch split over data-parallel ranks and micro-batches, and the generation
     layout (`rollout` group) against the world size (one clear error)."""

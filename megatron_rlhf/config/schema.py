@@ -31,7 +31,7 @@ from megatron_rlhf.config.fields import ConfigError, help_field as _f, paths_exi
 from megatron_rlhf.models.spec import ModelConfig, model_config_from_hf
 from megatron_rlhf.parallel.layout import Fp8Config, ParallelConfig
 from megatron_rlhf.config.dpo import DPOSection, validate_dpo
-from megatron_rlhf.config.ppo import PPOSection, validate_ppo
+from megatron_rlhf.config.ppo import PPOSection, check_same_size, validate_ppo
 from megatron_rlhf.config.rollout import RolloutSection
 
 
@@ -437,6 +437,7 @@ def validate(cfg: Any) -> None:
     )
     if isinstance(cfg, PPOConfig):
         validate_ppo(cfg)
+        check_same_size(cfg, read_model_config)
     if isinstance(cfg, DPOConfig):
         validate_dpo(cfg)
     if isinstance(cfg, RMConfig):

@@ -105,21 +105,23 @@ def _lock_run_dirs(cfg, rank0: bool) -> None:
 
 
 def build_frozen(cfg, ctx: RunContext, head: str, load: Optional[str], source_name: str, *,
-                 skip_head: bool = False) -> List[torch.nn.Module]:
-    """Model chunks in the training layout with weights from `load` (model `source_name` in it)."""
+                 skip_head: bool = False, key: Optional[str] = None) -> List[torch.nn.Module]:
+    """Model chunks in the training layout with weights from `load` (model `source_name` in it; `key`: the
+    setting `load` came from, for errors)."""
     chunks = build_model(ctx.model_cfg, cfg.parallel, head=head, fp8=cfg.fp8)
     if load:
-        ckpt.load_model_weights(load, chunks, source_name, head, skip_head=skip_head)
+        ckpt.load_model_weights(load, chunks, source_name, head, skip_head=skip_head, key=key)
     return chunks
 
 
 def build_trainable(cfg, ctx: RunContext, head: str, load: Optional[str], source_name: str, total_steps: int, *,
-                    train_cfg=None, skip_head: bool = False, check_for_nan_in_grad: bool = True) -> Trainable:
+                    train_cfg=None, skip_head: bool = False, check_for_nan_in_grad: bool = True,
+                    key: Optional[str] = None) -> Trainable:
     """Model -> initial weights (`load`, or fresh) -> Megatron DDP -> optimizer + scheduler.
 
     `train_cfg` (default `cfg.train`) gives lr, schedule, Adam and clipping settings.
     """
-    chunks = build_frozen(cfg, ctx, head, load, source_name, skip_head=skip_head)
+    chunks = build_frozen(cfg, ctx, head, load, source_name, skip_head=skip_head, key=key)
     chunks = wrap_ddp(chunks, cfg.parallel.use_distributed_optimizer, check_for_nan_in_grad=check_for_nan_in_grad)
     optimizer, scheduler = build_optimizer(chunks, train_cfg or cfg.train, cfg.parallel.use_distributed_optimizer,
                                            total_steps)

@@ -52,3 +52,42 @@ def test_beta_inf_is_refused_as_a_setting():
     cfg.ppo.beta, cfg.ppo.reward_load, cfg.model.load = float("inf"), "rm", "sft"
     with pytest.raises(ConfigError, match=r"ppo.beta=inf must be a finite number >= 0"):
         validate_ppo(cfg)
+
+
+def _scalar_model():
+    from megatron_rlhf.models.build import build_model
+    from megatron_rlhf.models.spec import ModelConfig
+    from megatron_rlhf.parallel.layout import ParallelConfig
+    from tests.unit.test_checkpoint_damage import CFG
+
+    return build_model(ModelConfig(**CFG), ParallelConfig(), head="scalar")
+
+
+def test_an_lm_checkpoint_where_a_reward_model_belongs_names_the_key_and_the_head(world, tmp_path):
+    sft = tmp_path / "sft"
+    ckpt.save_checkpoint(sft, 2, _models(), {}, {}, {}, run=ckpt.RunRecord.new("sft"))
+    for key, expected in ((None, "ppo.reward_load"), ("ppo.value_load", "ppo.value_load")):
+        with pytest.raises(ckpt.CheckpointError) as e:
+            ckpt.load_model_weights(sft, _scalar_model(), "reward", "scalar", key=key)
+        assert str(e.value) == (f"{expected}: {sft / 'step_00000002'} holds a policy (LM head), not a reward model "
+                                f"(scalar head): point {expected} at a reward-model checkpoint (stage 2 output)")
+    rm = _rm_checkpoint(tmp_path / "rm", {"mean": 0.0, "std": 1.0})  # and the reverse: an RM as model.load
+    with pytest.raises(ckpt.CheckpointError, match=r"^model.load: .* holds a reward model \(scalar head\), not a "
+                                                     r"policy \(LM head\): point model.load at an SFT"):
+        ckpt.load_model_weights(rm, _models()["policy"], "policy", "lm")
+
+
+def test_a_reward_model_of_another_size_is_refused_in_the_config_check(tmp_path):
+    from megatron_rlhf.models.spec import ModelConfig
+    from tests.unit.test_checkpoint_damage import CFG
+
+    C.write_model_config(ModelConfig(**{**CFG, "hidden_size": 64, "ffn_hidden_size": 128}), str(tmp_path / "rm"))
+    cfg = C.PPOConfig()
+    for k, v in CFG.items():
+        setattr(cfg.model, k, v)
+    cfg.ppo.reward_load = str(tmp_path / "rm")
+    with pytest.raises(ConfigError) as e:
+        C.check_same_size(cfg, C.read_model_config)  # part of the PPO config check (schema.validate)
+    assert str(e.value).startswith(f"ppo.reward_load: the model in {tmp_path / 'rm'} has hidden_size=64, "
+                                   "ffn_hidden_size=128 but the policy has hidden_size=32, ffn_hidden_size=64: a "
+                                   "reward or value model of another size than the policy is not supported"), e.value

@@ -108,7 +108,7 @@ def build_ppo_models(cfg, ctx: RunContext, total_steps: int) -> PPOModels:
     if not critic_free(p):
         value = build_trainable(cfg, ctx, "scalar", p.value_load or p.reward_load, "reward", total_steps,
                                 train_cfg=with_lr(cfg.train, p.value_lr), skip_head=p.value_head == "fresh",
-                                check_for_nan_in_grad=False)
+                                check_for_nan_in_grad=False, key="ppo.value_load" if p.value_load else "ppo.reward_load")
     if p.inference_tp is None:
         reference = swapped if swapped is not None else freeze(build_frozen(cfg, ctx, "lm", cfg.model.load, "policy"))
         reward = freeze(build_frozen(cfg, ctx, "scalar", p.reward_load, "reward"))
