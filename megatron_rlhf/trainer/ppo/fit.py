@@ -27,6 +27,7 @@ from megatron_rlhf.data.sampler import ShardedBatchSampler
 from megatron_rlhf.checkpoint import state as ckpt
 from megatron_rlhf.parallel.cpu import peak_memory_gib
 from megatron_rlhf.parallel import init
+from megatron_rlhf.config.fields import ConfigError
 from megatron_rlhf.config.ppo import check_ppo_layout, rollouts_per_iteration
 from megatron_rlhf.rollout.hybrid import make_rollout_engine
 from megatron_rlhf.rollout.offload import PhaseMemory, offloaded
@@ -67,6 +68,10 @@ def fit(cfg) -> Dict[str, float]:
 
     dp_group, tok, log = ps.get_data_parallel_group(), ctx.tokenizer, ctx.log
     train_prompts, eval_prompts = load_prompts(cfg, tok, log)
+    if eval_prompts and min(p.eval_prompts, len(eval_prompts)) < ctx.dp_size:  # each rank evaluates a share
+        raise ConfigError(f"held-out evaluation needs a prompt per data-parallel rank: {len(eval_prompts)} in "
+                          f"data.eval_path, ppo.eval_prompts={p.eval_prompts}, {ctx.dp_size} ranks; give more held-out "
+                          "prompts, raise ppo.eval_prompts, or unset data.eval_path")
     sampler = ShardedBatchSampler(len(train_prompts), p.rollout_batch_size, ctx.dp_rank, ctx.dp_size, seed=cfg.data.seed)
     steps_per_iteration = p.epochs * (rollouts_per_iteration(p) // p.minibatch_size)
     m = build_ppo_models(cfg, ctx, p.iterations * steps_per_iteration)
@@ -85,6 +90,10 @@ def fit(cfg) -> Dict[str, float]:
     if resume_from is not None:
         extra = ckpt.load_checkpoint(resume_from, trained, optimizers, schedulers)
         iteration, steps_done = int(extra["step"]), dict(extra["steps_done"])
+        if iteration > p.iterations:  # before record_run: the run's config.yaml keeps the iterations it ran to
+            raise ConfigError(f"ppo.iterations={p.iterations} is below the iteration of the checkpoint this run "
+                              f"resumes from ({resume_from}, iteration {iteration}): set ppo.iterations >= {iteration} "
+                              "to train on, or choose another logging.run_dir")
         if iteration == p.iterations and log:
             log(f"{resume_from} is the end of this run ({iteration} iterations): nothing to train; "
                 "rewriting summary.json and hf_policy (raise ppo.iterations to train further)")
