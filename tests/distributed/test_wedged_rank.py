@@ -7,6 +7,7 @@ import subprocess
 import sys
 import time
 
+from megatron_rlhf.parallel.watchdog import REPEAT_S
 from tests.distributed.launch import ROOT, SCRIPTS, child_env, free_port
 
 LIMIT_S = 12  # parallel.timeout_s of the job
@@ -34,13 +35,15 @@ def _wait(procs, timeout):
     return [p.poll() for p in procs]
 
 
-def _run(tmp_path, limit_s, sigterm=False):
+def _run(tmp_path, limit_s, signals=()):
     procs, logs, ready = _job(tmp_path, limit_s)
     try:
         assert _wait_for(ready, procs, 300), [log.read_text()[-2000:] for log in logs]
         wedged_at = time.monotonic()
-        if sigterm:
-            os.killpg(procs[0].pid, signal.SIGTERM)
+        for i, sig in enumerate(signals):
+            if i:
+                time.sleep(REPEAT_S + 0.5)  # a second press, not the first one's echo
+            os.killpg(procs[0].pid, sig)
         codes = _wait(procs, limit_s + 120)
         return codes, time.monotonic() - wedged_at, [log.read_text() for log in logs]
     finally:
@@ -71,8 +74,15 @@ def test_a_wedged_rank_ends_the_job_naming_it(tmp_path):
 
 
 def test_sigterm_ends_a_wedged_job_before_the_limit(tmp_path):
-    codes, took, outs = _run(tmp_path, 200, sigterm=True)
+    codes, took, outs = _run(tmp_path, 200, signals=[signal.SIGTERM])
     assert codes == [124, 124] and took < 60, (codes, took, outs)
     errors = [line for out in outs for line in out.splitlines() if line.startswith("error:")]
     assert len(errors) == 1 and "rank 1 made no progress" in errors[0], outs
     assert "a stop was requested and could not be honoured" in errors[0], errors
+
+
+def test_a_second_ctrl_c_exits_a_wedged_job_at_once(tmp_path):
+    codes, took, outs = _run(tmp_path, 200, signals=[signal.SIGINT, signal.SIGINT])
+    assert codes == [130, 130] and took < 30, (codes, took, outs)
+    assert outs[0].strip() == "error: a second Ctrl-C: exiting without a checkpoint (a rerun resumes from the last one)"
+    assert outs[1].strip() == "", outs
