@@ -33,15 +33,14 @@ class ShardedBatchSampler:
         dp_size: int = 1,
         seed: int = 0,
         shuffle: bool = True,
+        key: str = "train.global_batch_size",  # the setting the batch size comes from, for errors
     ):
         if global_batch_size % dp_size != 0:
-            raise DataError(
-                f"train.global_batch_size={global_batch_size} is not divisible by the data-parallel size {dp_size}"
-            )
+            raise DataError(f"{key}={global_batch_size} is not divisible by the data-parallel size {dp_size}")
         if dataset_size < global_batch_size:
             raise DataError(
                 f"the dataset has {dataset_size} examples, fewer than one global batch "
-                f"(train.global_batch_size={global_batch_size}): lower the batch size or add data"
+                f"({key}={global_batch_size}): lower the batch size or add data"
             )
         if not 0 <= dp_rank < dp_size:
             raise ValueError(f"dp_rank={dp_rank} is not in [0, {dp_size})")

@@ -75,3 +75,11 @@ def test_fewer_held_out_prompts_than_ranks_is_refused_at_start(base, tmp_path):
     assert errors == ["error: held-out evaluation needs a prompt per data-parallel rank: 1 in data.eval_path, "
                       "ppo.eval_prompts=16, 2 ranks; give more held-out prompts, raise ppo.eval_prompts, or unset "
                       "data.eval_path"], proc.stderr[-3000:]
+
+
+def test_fewer_prompts_than_a_rollout_batch_names_the_ppo_key(base, tmp_path):
+    (tmp_path / "few.jsonl").write_text("".join((base / "prompts.jsonl").read_text().splitlines(True)[:8]))
+    proc, errors = _launch(base, tmp_path / "run", tmp_path, **{"data.train_path": tmp_path / "few.jsonl"})
+    assert proc.returncode == 2, (proc.returncode, proc.stderr[-3000:])
+    assert errors == ["error: the dataset has 8 examples, fewer than one global batch (ppo.rollout_batch_size=32): "
+                      "lower the batch size or add data"], proc.stderr[-3000:]

@@ -72,7 +72,8 @@ def fit(cfg) -> Dict[str, float]:
         raise ConfigError(f"held-out evaluation needs a prompt per data-parallel rank: {len(eval_prompts)} in "
                           f"data.eval_path, ppo.eval_prompts={p.eval_prompts}, {ctx.dp_size} ranks; give more held-out "
                           "prompts, raise ppo.eval_prompts, or unset data.eval_path")
-    sampler = ShardedBatchSampler(len(train_prompts), p.rollout_batch_size, ctx.dp_rank, ctx.dp_size, seed=cfg.data.seed)
+    sampler = ShardedBatchSampler(len(train_prompts), p.rollout_batch_size, ctx.dp_rank, ctx.dp_size, seed=cfg.data.seed,
+                                  key="ppo.rollout_batch_size")
     steps_per_iteration = p.epochs * (rollouts_per_iteration(p) // p.minibatch_size)
     m = build_ppo_models(cfg, ctx, p.iterations * steps_per_iteration)
     vocab = ctx.model_cfg.vocab_size

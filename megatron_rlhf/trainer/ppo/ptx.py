@@ -31,7 +31,7 @@ class PtxBatches:
         self.dataset, self.batch_size, self.micro_batch_size = dataset, batch_size, micro_batch_size
         self.dp_rank, self.dp_size, self.pad_id = dp_rank, dp_size, pad_id
         # One global cursor (dp_size=1 view): every rank sees every index, so the token count needs no collective.
-        self.sampler = ShardedBatchSampler(len(dataset), batch_size, 0, 1, seed=seed)
+        self.sampler = ShardedBatchSampler(len(dataset), batch_size, 0, 1, seed=seed, key="ppo.minibatch_size")
 
     @classmethod
     def load(cls, cfg, tokenizer, dp_rank: int, dp_size: int, log=None) -> "PtxBatches":
