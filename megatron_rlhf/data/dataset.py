@@ -317,6 +317,8 @@ class _Tokenize:
         if chosen_text == rejected_text:
             raise _BadRow(f"{c.chosen_field} equals {c.rejected_field}")
         chosen, rejected = prompt + self._response(chosen_text), prompt + self._response(rejected_text)
+        if chosen == rejected:  # texts that differ only where the tokenizer does not look (whitespace): no signal
+            raise _BadRow(f"{c.chosen_field} equals {c.rejected_field} once tokenized")
         status = _OK
         if max(len(chosen), len(rejected)) > c.max_seq_len:
             if c.overlong == "drop" or len(prompt) >= c.max_seq_len:

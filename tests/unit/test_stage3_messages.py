@@ -91,3 +91,18 @@ def test_a_reward_model_of_another_size_is_refused_in_the_config_check(tmp_path)
     assert str(e.value).startswith(f"ppo.reward_load: the model in {tmp_path / 'rm'} has hidden_size=64, "
                                    "ffn_hidden_size=128 but the policy has hidden_size=32, ffn_hidden_size=64: a "
                                    "reward or value model of another size than the policy is not supported"), e.value
+
+
+def test_dpo_pairs_that_differ_only_in_whitespace_are_bad_rows(tmp_path):
+    """Item 10: such a pair tokenises identically (loss ln 2, nothing to learn); compared by token ids."""
+    from megatron_rlhf.data import dataset as D
+    from megatron_rlhf.tasks import sort_digits
+
+    sort_digits.save_tokenizer(str(tmp_path / "tok"))
+    tok = D.load_tokenizer(str(tmp_path / "tok"))
+    rows = [{"prompt": "sort 2 1 =", "chosen": "1 2", "rejected": "2 1"},
+            {"prompt": "sort 2 1 =", "chosen": "1 2", "rejected": " 1  2 "}]
+    (tmp_path / "p.jsonl").write_text("".join(__import__("json").dumps(r) + "\n" for r in rows))
+    data = C.DataConfig(max_seq_len=24, max_bad_fraction=1.0)
+    ds, report = D.load_examples("preference", data, tok, str(tmp_path / "p.jsonl"), log=None)
+    assert len(ds) == 1 and report.bad == {"chosen equals rejected once tokenized": 1}, report.bad
