@@ -159,7 +159,11 @@ class Watchdog:
 
     def _run(self) -> None:
         last, last_lasti, stalled, posted = None, None, 0.0, 0.0
+        import torch.distributed as dist
+
         while not self._closed.wait(self.interval_s):
+            if not dist.is_initialized():  # the process group went away without stop(): nothing left to watch
+                return
             self._read_signals()
             frame = sys._current_frames().get(self._main)
             if frame is None:
@@ -180,7 +184,9 @@ class Watchdog:
                 if collective and stalled >= self.limit():
                     self._declare(collective, frame, stalled)
             except Exception:  # noqa: BLE001 - the store's host (rank 0) is gone: the job is over
-                self._exit(acknowledge=False)
+                if dist.is_initialized():
+                    self._exit(acknowledge=False)
+                return
             finally:
                 del frame
 
