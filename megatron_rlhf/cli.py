@@ -30,6 +30,7 @@ from typing import Callable, Optional, Sequence
 
 from megatron_rlhf.config import schema as C
 from megatron_rlhf.config import io as config_io
+from megatron_rlhf.parallel import lifetime
 
 
 @dataclass(frozen=True)
@@ -142,7 +143,7 @@ def _quiet_known_warnings() -> None:
 def main(argv: Optional[Sequence[str]] = None) -> int:
     """Entry point of the `megatron-rlhf` console script; returns the exit code."""
     _quiet_known_warnings()
-    argv = list(sys.argv[1:] if argv is None else argv)
+    argv_given, argv = argv, list(sys.argv[1:] if argv is None else argv)
     if not argv or argv[0] in ("-h", "--help"):
         print(_top_help())
         return 0 if argv else 2
@@ -152,6 +153,11 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         hint = f"did you mean '{close[0]}'?" if close else f"commands: {', '.join(COMMANDS)}"
         return _error(f"unknown command '{name}': {hint}")
     cmd = COMMANDS[name]
+    if argv_given is None:  # this process is the command (not a caller's in-process use): its signals are ours
+        if cmd.config is not None:
+            lifetime.catch_stop_signals()  # before the stage's imports: a stop during start-up is kept, not fatal
+        else:
+            lifetime.unblock_stop_signals()  # blocked by `megatron-rlhf launch` for its ranks
     if cmd.config is not None:
         return _run_config_command(name, cmd, rest)
     try:

@@ -117,7 +117,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         signal.signal(sig, forward)
     for r in range(n):
         rank = args.node_rank * n + r
-        ranks.append(subprocess.Popen(cmd, env=dict(base, RANK=str(rank), LOCAL_RANK=str(r))))
+        # Stop signals wait (blocked) in a new rank until its CLI catches them: one sent during its
+        # interpreter's start-up is kept for the first step instead of killing it (exit 138).
+        ranks.append(subprocess.Popen(cmd, env=dict(base, RANK=str(rank), LOCAL_RANK=str(r)),
+                                      preexec_fn=lifetime.block_stop_signals))
     failed_at, code = None, 0
     while any(p.poll() is None for p in ranks):
         for p in ranks:
@@ -131,6 +134,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         time.sleep(0.1)
     if code == 0:
         code = next((_exit_code(p.returncode) for p in ranks if p.returncode != 0), 0)
+    # Every rank has exited: nothing is left to forward to. A late stop signal (Slurm's time-limit SIGUSR1
+    # while the job ends) must not kill the launcher with 138 once Python's exit restores the default handlers.
+    for sig in FORWARDED:
+        signal.signal(sig, signal.SIG_IGN)
     _kill_leftovers()
     return code
 

@@ -6,8 +6,15 @@
 export PYTHON=${PYTHON:-python}
 # Rendezvous port on the first node (the same on every node).
 export MASTER_PORT=${MASTER_PORT:-29500}
-# Host threads per rank: CPUs of the node / GPUs per node, at most 8.
-export OMP_NUM_THREADS=${OMP_NUM_THREADS:-8}
+# Host threads per rank: the job's CPUs on this node / ranks per node (GPUS_PER_NODE), at least 1, at most 8.
+if [ -z "${OMP_NUM_THREADS:-}" ]; then
+  _cpus=${SLURM_CPUS_ON_NODE:-$(nproc)}
+  _ranks=${GPUS_PER_NODE:-${SLURM_GPUS_ON_NODE:-8}}
+  OMP_NUM_THREADS=$(( _cpus / (_ranks > 0 ? _ranks : 1) ))
+  OMP_NUM_THREADS=$(( OMP_NUM_THREADS < 1 ? 1 : (OMP_NUM_THREADS > 8 ? 8 : OMP_NUM_THREADS) ))
+  export OMP_NUM_THREADS
+  unset _cpus _ranks
+fi
 # Megatron's tensor-parallel communication overlap needs ordered CUDA streams.
 export CUDA_DEVICE_MAX_CONNECTIONS=1
 # NCCL: uncomment and adapt for your fabric (InfiniBand HCAs, socket interface).

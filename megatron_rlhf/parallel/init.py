@@ -9,13 +9,18 @@ from __future__ import annotations
 
 import datetime
 import os
+import socket
 from dataclasses import dataclass
 from typing import Mapping, Optional
 
 import torch
 
 from megatron_rlhf.parallel import cpu, lifetime, watchdog
-from megatron_rlhf.parallel.layout import ParallelConfig
+from megatron_rlhf.parallel.layout import LayoutError, ParallelConfig
+
+
+class RendezvousError(LayoutError):
+    """The rendezvous address does not resolve: one line naming it (a LayoutError, so the CLI prints one line)."""
 
 
 @dataclass(frozen=True)
@@ -52,6 +57,17 @@ def world_size_from_env() -> int:
     return dist_env().world_size
 
 
+def check_rendezvous_host(addr: str, port: int) -> None:
+    """Resolve MASTER_ADDR before c10d does: c10d retries an unresolvable name for its whole timeout (600 s,
+    "The IPv6 network addresses of (n1, 29500) cannot be retrieved"); this fails at once, naming it."""
+    try:
+        socket.getaddrinfo(addr, port, type=socket.SOCK_STREAM)
+    except (socket.gaierror, UnicodeError) as e:
+        raise RendezvousError(
+            f"rendezvous host MASTER_ADDR={addr} does not resolve ({getattr(e, 'strerror', e)}): set MASTER_ADDR to "
+            "the first node's address (slurm/node.sh uses its NodeAddr from `scontrol show node`)") from None
+
+
 def init_process_group(timeout_s: int = 600) -> DistEnv:
     """Start torch.distributed (once); nccl with CUDA, gloo otherwise."""
     cpu.enable()
@@ -61,6 +77,7 @@ def init_process_group(timeout_s: int = 600) -> DistEnv:
     env = dist_env()
     if torch.distributed.is_initialized():
         return env
+    check_rendezvous_host(env.master_addr, env.master_port)
     backend = "nccl" if torch.cuda.is_available() else "gloo"
     if torch.cuda.is_available():
         torch.cuda.set_device(env.local_rank)

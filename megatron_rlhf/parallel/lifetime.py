@@ -12,11 +12,15 @@
   orphaned mid-write can block forever on a results pipe whose other end it holds itself, and it
   keeps the rank's resource tracker alive (the tracker exits on EOF from every holder of its pipe).
   Every process forked from a rank's main thread therefore gets SIGKILL when the rank dies.
+- Stop signals (SIGTERM, SIGUSR1) are caught first thing in a rank (`catch_stop_signals`, from the CLI's
+  entry point) and ignored once it exits: one during start-up or after the final checkpoint neither kills
+  the rank nor fails the job.
 Linux only (prctl); elsewhere these are no-ops.
 """
 
 from __future__ import annotations
 
+import atexit
 import ctypes
 import os
 import signal
@@ -98,3 +102,46 @@ def keep_checkpoint_results_in_process() -> None:
 
     if fa._results_queue is None:
         fa._results_queue = queue.Queue()
+
+
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR1)  # Slurm's preemption / time-limit warning, a terminal's kill
+_stop = {"requested": False, "installed": False}
+
+
+def _note_stop(signum, frame) -> None:
+    _stop["requested"] = True
+
+
+def _ignore_stop_signals() -> None:
+    for sig in STOP_SIGNALS:
+        signal.signal(sig, signal.SIG_IGN)
+
+
+def catch_stop_signals() -> None:
+    """First thing in a training rank: SIGTERM / SIGUSR1 only note a stop request (`stop_requested()`,
+    read after each step by trainer/run.StopFlag) from here on, through the imports, process groups,
+    data, model build and checkpoint load that come before the first step; the default action would
+    kill the rank (exit 138) and fail the job instead of requeueing it. They are unblocked here (the
+    launcher starts ranks with them blocked, so one sent before this line waits instead of killing).
+    At exit they are ignored: Python's shutdown puts the default handlers back, and a late signal
+    (a time limit while a finished job exits) must not turn a finished run into exit 138."""
+    if not _stop["installed"]:
+        for sig in STOP_SIGNALS:
+            signal.signal(sig, _note_stop)
+        atexit.register(_ignore_stop_signals)
+        _stop["installed"] = True
+    unblock_stop_signals()
+
+
+def stop_requested() -> bool:
+    return _stop["requested"]
+
+
+def block_stop_signals() -> None:
+    """In a launcher's child before exec: stop signals wait (pending) until the rank catches them."""
+    signal.pthread_sigmask(signal.SIG_BLOCK, STOP_SIGNALS)
+
+
+def unblock_stop_signals() -> None:
+    """Commands that do not checkpoint get the default actions back (a pending stop signal ends them now)."""
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, STOP_SIGNALS)

@@ -3,7 +3,7 @@
     account: my_account
     partition: batch
     nodes: 16
-    gpus_per_node: 8
+    gpus_per_node: 8                                   # 0 on a CPU partition, with ranks_per_node: N
     gpu_memory_gib: 80
     time: "04:00:00"
     container_image: nvcr.io/nvidia/pytorch:25.01-py3   # pyxis/enroot; null = no container
@@ -26,9 +26,11 @@ class SlurmCluster:
     account: Optional[str] = _f(None, "Slurm account (--account)")
     partition: Optional[str] = _f(None, "Slurm partition (--partition)")
     nodes: int = _f(1, "nodes (--nodes)")
-    gpus_per_node: int = _f(8, "GPUs per node: ranks per node (--gpus-per-node)")
-    gpu_memory_gib: float = _f(80.0, "memory of one GPU, for the planner")
-    cpus_per_task: int = _f(96, "CPUs of the one task per node (--cpus-per-task)")
+    gpus_per_node: int = _f(8, "GPUs per node (--gpus-per-node); 0: a CPU partition (no gres/gpu), see ranks_per_node")
+    ranks_per_node: Optional[int] = _f(None, "ranks per node; null = gpus_per_node (one rank per GPU)")
+    gpu_memory_gib: float = _f(80.0, "memory of one GPU (of one CPU rank with gpus_per_node=0), for the planner")
+    cpus_per_task: Optional[int] = _f(None, "CPUs of the one task per node (--cpus-per-task); null = all CPUs of "
+                                      "a node (sinfo at submit time); checked against sinfo when given")
     time: str = _f("04:00:00", "time limit (--time)")
     job_name: str = _f("megatron-rlhf", "job name (--job-name)")
     log_dir: str = _f("logs", "directory of the per-job logs: <log_dir>/<job name>-<job id>.out")
@@ -45,8 +47,13 @@ class SlurmCluster:
     remote_job_dir: Optional[str] = _f(None, "nemo-run job directory on the cluster (tunnel=ssh)")
 
     @property
+    def ranks(self) -> int:
+        """Ranks per node: one per GPU, or `ranks_per_node` (CPU partitions)."""
+        return self.gpus_per_node if self.ranks_per_node is None else self.ranks_per_node
+
+    @property
     def world(self) -> int:
-        return self.nodes * self.gpus_per_node
+        return self.nodes * self.ranks
 
 
 def load_cluster(path: Optional[str], overrides: Sequence[str]) -> SlurmCluster:
@@ -56,8 +63,12 @@ def load_cluster(path: Optional[str], overrides: Sequence[str]) -> SlurmCluster:
 
     cluster, _ = config_io.structured(SlurmCluster, path, overrides)
     C.validate(cluster)  # choices
-    if cluster.nodes < 1 or cluster.gpus_per_node < 1:
-        raise ConfigError(f"nodes={cluster.nodes} and gpus_per_node={cluster.gpus_per_node} must be >= 1")
+    if cluster.nodes < 1 or cluster.gpus_per_node < 0:
+        raise ConfigError(f"nodes={cluster.nodes} must be >= 1 and gpus_per_node={cluster.gpus_per_node} >= 0")
+    if cluster.ranks < 1:
+        raise ConfigError("gpus_per_node=0 (a CPU partition) needs ranks_per_node >= 1: the ranks each node runs")
+    if cluster.cpus_per_task is not None and cluster.cpus_per_task < 1:
+        raise ConfigError(f"cpus_per_task={cluster.cpus_per_task} must be >= 1 (or null: all CPUs of a node)")
     if cluster.tunnel == "ssh" and not (cluster.ssh_host and cluster.ssh_user and cluster.remote_job_dir):
         raise ConfigError("tunnel=ssh needs ssh_host, ssh_user and remote_job_dir")
     return cluster

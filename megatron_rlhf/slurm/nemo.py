@@ -34,7 +34,11 @@ def build_executor(cluster: SlurmCluster, stage: str):
     if cluster.tunnel == "ssh":
         tunnel = run.SSHTunnel(host=cluster.ssh_host, user=cluster.ssh_user, job_dir=cluster.remote_job_dir)
     else:
-        tunnel = run.LocalTunnel(job_dir=os.path.abspath(cluster.log_dir))
+        from nemo_run.config import get_nemorun_home
+
+        # nemo-run writes the sbatch script into the experiment's directory under NEMORUN_HOME and runs sbatch
+        # on <tunnel job_dir>/<experiment>/...: a local tunnel copies nothing, so both must be the same place.
+        tunnel = run.LocalTunnel(job_dir=os.path.join(get_nemorun_home(), "experiments"))
     mounts = list(cluster.container_mounts)
     workdir = cluster.workdir or os.getcwd()
     if cluster.container_image and not any(m.split(":")[0] == workdir for m in mounts):
@@ -45,7 +49,7 @@ def build_executor(cluster: SlurmCluster, stage: str):
         job_name_prefix=f"{cluster.job_name}-",
         nodes=cluster.nodes,
         ntasks_per_node=1,
-        gpus_per_node=cluster.gpus_per_node,
+        gpus_per_node=cluster.gpus_per_node or None,  # 0: a CPU partition, no --gpus-per-node
         cpus_per_task=cluster.cpus_per_task,
         time=cluster.time,
         exclusive=True,
@@ -89,8 +93,14 @@ def render(stage: str, config: str, overrides: Sequence[str], cluster: SlurmClus
 
 
 def submit(stage: str, config: str, overrides: Sequence[str], cluster: SlurmCluster) -> None:
-    """Submit through nemo-run (sbatch locally or over the SSH tunnel); returns once submitted."""
+    """Submit through nemo-run (sbatch locally or over the SSH tunnel); returns once submitted, printing
+    `Submitted batch job <id>` (as sbatch does) and where nemo-run keeps the job's log."""
     run = _nemo_run()
     executor = build_executor(cluster, stage)
     script = node_script(stage, config, overrides, cluster)
-    run.run(script, executor=executor, name=f"{cluster.job_name}-{stage}", detach=True, tail_logs=False)
+    name = f"{cluster.job_name}-{stage}"
+    with run.Experiment(title=name, executor=executor, log_level="WARN") as exp:
+        exp.add(script, name=name, tail_logs=False)
+        exp.run(detach=True)
+        job = exp.jobs[0]
+    print(f"Submitted batch job {job.handle.rsplit('/', 1)[-1]} (nemo-run; log in {job.executor.job_dir})", flush=True)

@@ -35,9 +35,12 @@ def sbatch_flags(stage: str, cluster: SlurmCluster) -> Dict[str, object]:
     if stage == "convert":  # one CPU task, no GPU (checkpoints/convert_cli streams one tensor at a time)
         flags.update({"nodes": 1, "ntasks-per-node": 1, "cpus-per-task": 8, "mem": "32G"})
     else:
-        flags.update({"nodes": cluster.nodes, "ntasks-per-node": 1, "gpus-per-node": cluster.gpus_per_node,
-                      "cpus-per-task": cluster.cpus_per_task, "exclusive": True,
-                      "signal": f"USR1@{cluster.signal_seconds}"})
+        flags.update({"nodes": cluster.nodes, "ntasks-per-node": 1})
+        if cluster.gpus_per_node:  # a CPU partition without gres/gpu rejects any --gpus-per-node
+            flags["gpus-per-node"] = cluster.gpus_per_node
+        if cluster.cpus_per_task:  # None: not known here (no sinfo); --exclusive gives the task the node
+            flags["cpus-per-task"] = cluster.cpus_per_task
+        flags.update({"exclusive": True, "signal": f"USR1@{cluster.signal_seconds}"})
         flags["requeue" if cluster.requeue else "no-requeue"] = True
     flags["open-mode"] = "append"  # a requeued job appends to the same log
     flags["output"] = os.path.join(cluster.log_dir, "%x-%j.out")
@@ -49,7 +52,7 @@ def job_env(stage: str, cluster: SlurmCluster) -> Dict[str, object]:
     env: Dict[str, object] = {"ENV_FILE": cluster.env_file, "MASTER_PORT": cluster.master_port,
                               "REQUEUE": int(cluster.requeue)}
     if stage != "convert":
-        env["GPUS_PER_NODE"] = cluster.gpus_per_node
+        env["GPUS_PER_NODE"] = cluster.ranks  # ranks per node (slurm/node.sh), one per GPU unless gpus_per_node=0
     return env
 
 

@@ -47,7 +47,7 @@ def check_plan(stage: str, config: str, overrides: Sequence[str], cluster, force
     from megatron_rlhf.plan.planner import Cluster, plan_stage
 
     cfg = load_for_plan(stage, config, overrides)
-    plan = plan_stage(cfg, stage, Cluster(cluster.nodes, cluster.gpus_per_node, cluster.gpu_memory_gib))
+    plan = plan_stage(cfg, stage, Cluster(cluster.nodes, cluster.ranks, cluster.gpu_memory_gib))
     print(format_plan(plan), file=sys.stderr)
     if not plan.fits and not force:
         name, size = plan.largest_term()
@@ -56,9 +56,35 @@ def check_plan(stage: str, config: str, overrides: Sequence[str], cluster, force
             f"{plan.gpu_bytes / 2**30:.1f} GiB usable (largest: {name}); try {plan.suggestion}, or pass --force")
 
 
+def node_cpus(partition) -> list:
+    """CPUs of each node of `partition` (None: the default one) as `sinfo` reports them; [] without a Slurm here."""
+    cmd = ["sinfo", "-h", "-N", "-o", "%c"] + (["-p", partition] if partition else [])
+    try:
+        out = subprocess.run(cmd, capture_output=True, text=True, timeout=30)
+    except (OSError, subprocess.TimeoutExpired):
+        return []
+    return [int(c) for c in out.stdout.split() if c.isdigit()] if out.returncode == 0 else []
+
+
+def fit_cpus(cluster) -> None:
+    """cpus_per_task against the partition's nodes: a request larger than every node is accepted by Slurm and
+    then pends forever (Reason=PartitionConfig), so it is an error here; unset, it becomes a node's CPUs."""
+    cpus = node_cpus(cluster.partition)
+    if not cpus:
+        return  # no sinfo (a dry run elsewhere): the script keeps what the YAML says
+    where = f"partition '{cluster.partition}'" if cluster.partition else "the default partition"
+    if cluster.cpus_per_task is None:
+        cluster.cpus_per_task = min(cpus)
+    elif cluster.cpus_per_task > max(cpus):
+        raise ConfigError(f"cpus_per_task={cluster.cpus_per_task} but the nodes of {where} have at most {max(cpus)} "
+                          f"CPUs (sinfo): set cpus_per_task={max(cpus)}, or null for all CPUs of a node")
+
+
 def main(argv: Sequence[str]) -> int:
     args, rest = _parse(argv)
     cluster = load_cluster(args.cluster, args.set)
+    if cluster.tunnel == "local":
+        fit_cpus(cluster)
     if args.stage == "convert":
         config, overrides = "", rest
     else:

@@ -26,7 +26,7 @@ from megatron_rlhf.data import dataset as D
 from megatron_rlhf.checkpoint import run_dir
 from megatron_rlhf.checkpoint import state as ckpt
 from megatron_rlhf.models.build import build_model
-from megatron_rlhf.parallel import init
+from megatron_rlhf.parallel import init, lifetime
 from megatron_rlhf.parallel.layout import validate_layout
 from megatron_rlhf.trainer.optim import build_optimizer, wrap_ddp
 from megatron_rlhf.trainer.preflight import check_run_dirs
@@ -164,7 +164,7 @@ class StopFlag:
     it ends a job that cannot reach the next stop check, and exits at once on a second Ctrl-C."""
 
     def __init__(self):
-        self.requested = False
+        self.requested = lifetime.stop_requested()  # caught since the CLI started: a stop during start-up counts
         for sig in (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT):
             signal.signal(sig, self._handle)
 
@@ -184,6 +184,10 @@ def save_or_stop(cfg, step: int, stop: StopFlag, save: Callable[[int], None], me
         save(step)
         if log:
             log(f"stop requested: saved checkpoint at {unit} {step}, exiting")
+            note = os.environ.get("STOPPED_FILE")  # slurm/node.sh requeues the job only after such a note
+            if note:
+                with open(note, "w") as fh:
+                    fh.write(f"{unit} {step}\n")
         metrics.close()
         init.destroy()
         return "stopped"

@@ -105,7 +105,7 @@ class _FakeRank:
 
 def test_launcher_gives_global_ranks_on_every_node(monkeypatch):
     started = []
-    monkeypatch.setattr(launch.subprocess, "Popen", lambda cmd, env: started.append(_FakeRank(cmd, env)) or started[-1])
+    monkeypatch.setattr(launch.subprocess, "Popen", lambda cmd, env, **kw: started.append(_FakeRank(cmd, env)) or started[-1])
     monkeypatch.setattr(launch.signal, "signal", lambda *a: None)
     assert launch.main(["--nnodes", "16", "--node-rank", "3", "--nproc-per-node", "8", "--master-port", "29500",
                         "sft", "c.yaml"]) == 0
@@ -123,6 +123,9 @@ def test_cluster_yaml_errors_are_one_line(tmp_path):
     with pytest.raises(ConfigError, match="tunnel=ssh needs ssh_host"):
         load_cluster(None, ["tunnel=ssh"])
     assert load_cluster(os.path.join(EX, "llama3_70b_slurm.yaml"), ["nodes=32"]).world == 256
+    with pytest.raises(ConfigError, match="gpus_per_node=0 .* needs ranks_per_node >= 1"):
+        load_cluster(None, ["gpus_per_node=0"])
+    assert load_cluster(None, ["nodes=2", "gpus_per_node=0", "ranks_per_node=3"]).world == 6
 
 
 def test_srun_only_environment_gives_rank_and_world(monkeypatch):
