@@ -7,6 +7,7 @@ Read in the order of one PPO iteration (see shared/reference/ppo-spec.md):
 - `advantages`: GAE, and the group baselines of the value-free siblings (GRPO, RLOO)
 - `masked`: masked sum / mean / var / whiten, global over a process group when given one
 - `losses`: clipped policy loss, clipped value loss, entropy bonus, Bradley-Terry, DPO
+- `correction`: token weights for the sampler/trainer gap (truncated or masked importance sampling)
 
 Conventions: per-token tensors are [B, T] over response tokens, right-padded; `mask` is 1.0 on real
 tokens and 0.0 on padding. Losses return token SUMS plus a dict of detached statistics (also sums);
@@ -14,6 +15,6 @@ the trainer divides by the token count all-reduced over data-parallel ranks, so 
 depend on DP size or micro-batching. Nothing here calls `.item()` (no host-device sync).
 """
 
-from megatron_rlhf.algo import advantages, kl, losses, masked, rewards
+from megatron_rlhf.algo import advantages, correction, kl, losses, masked, rewards
 
-__all__ = ["advantages", "kl", "losses", "masked", "rewards"]
+__all__ = ["advantages", "correction", "kl", "losses", "masked", "rewards"]

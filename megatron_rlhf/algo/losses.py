@@ -7,7 +7,7 @@ Stats are detached masked SUMS too (divide by `stats["tokens"]`, summed the same
 
 from __future__ import annotations
 
-from typing import Dict, Tuple
+from typing import Dict, Optional, Tuple
 
 import torch
 import torch.nn.functional as F
@@ -24,11 +24,13 @@ def policy_loss(
     advantages: torch.Tensor,
     mask: torch.Tensor,
     clip_eps: float = 0.2,
+    weights: Optional[torch.Tensor] = None,
 ) -> Tuple[torch.Tensor, Stats]:
     """PPO clipped surrogate, as a loss to minimise: sum_t -min(rho*A, clip(rho, 1-eps, 1+eps)*A).
 
     logprobs [B, T] (current policy, carries gradient), old_logprobs [B, T] (rollout policy),
-    advantages [B, T] (whitened), mask [B, T]. Where the clipped term wins, the gradient is zero:
+    advantages [B, T] (whitened), mask [B, T]; weights [B, T] (detached; `correction.correction_weights`)
+    scale each token's term, None = 1. Where the clipped term wins, the gradient is zero:
     the update stops pushing rho further out of [1-eps, 1+eps] in the direction A favours.
     stats (sums over real tokens): clipfrac (tokens where clipping was active), approx_kl
     (0.5 * (logp - logp_old)^2), ratio (rho; its mean should be 1.0 on the first minibatch), tokens.
@@ -41,7 +43,8 @@ def policy_loss(
     unclipped = -advantages * ratio
     clipped = -advantages * torch.clamp(ratio, 1.0 - clip_eps, 1.0 + clip_eps)
     # max of the negated terms == -min of the objectives.
-    loss_sum = (torch.maximum(unclipped, clipped) * mask).sum()
+    token_loss = torch.maximum(unclipped, clipped) * mask
+    loss_sum = (token_loss if weights is None else token_loss * weights).sum()
     with torch.no_grad():
         stats = {
             "clipfrac": ((clipped > unclipped).to(mask.dtype) * mask).sum(),

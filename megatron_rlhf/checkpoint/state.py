@@ -88,7 +88,7 @@ def _model_state(chunks, prefix: str, exclude: str | None = None, dp_group=None)
     """Sharded state of one model. Tensor keys carry `prefix` ("policy.") so models share a checkpoint.
 
     `dp_group`: the model's data-parallel group when it was built with process groups of its own
-    (rollout/hybrid.py's layouts); replica ids then come from it instead of parallel_state's groups,
+    (rollout/layout.py's layouts); replica ids then come from it instead of parallel_state's groups,
     which belong to the training layout. Its TP group the model's layers already carry."""
     metadata = None if dp_group is None else {"dp_cp_group": dp_group}
     state = {}

@@ -64,6 +64,10 @@ class PPOSection:
     top_k: int = _f(0, "sample among the k most likely tokens only; 0 = off. The trainer's log-probs stay over the "
                     "whole vocabulary, so PPO's ratio then also corrects for the truncation (ppo/rho_* show it)")
     top_p: float = _f(1.0, "nucleus sampling: the smallest set of most likely tokens with this mass; 1 = off (see top_k)")
+    rollout_correction: str = _f("none", "weights on the policy loss for the sampler/trainer gap w = pi_old / "
+                                 "sampler per token (algo/correction.py): tis = min(w, cap), mis = w inside "
+                                 "[1/cap, cap] and 0 outside", choices=("none", "tis", "mis"))
+    rollout_correction_cap: float = _f(2.0, "the cap C of ppo.rollout_correction (> 1)")
     beta: float = _f(0.05, "KL penalty coefficient (initial value when adaptive)")
     kl_estimator: str = _f("k1", "per-token KL estimator (k3 with kl_in=loss, as GRPO)", choices=("k1", "k2", "k3"))
     kl_in: str = _f("reward", "where the KL to the reference goes: shaped into the reward (PPO) or a "
@@ -114,6 +118,8 @@ def validate_ppo(cfg) -> None:
     require(p.temperature > 0, f"ppo.temperature={p.temperature} must be > 0")
     require(p.top_k >= 0, f"ppo.top_k={p.top_k} must be >= 0 (0: off)")
     require(0 < p.top_p <= 1, f"ppo.top_p={p.top_p} must be in (0, 1] (1: off)")
+    require(math.isfinite(p.rollout_correction_cap) and p.rollout_correction_cap > 1,
+            f"ppo.rollout_correction_cap={p.rollout_correction_cap} must be a finite number > 1")
     require(math.isfinite(p.beta) and p.beta >= 0, f"ppo.beta={p.beta} must be a finite number >= 0")
     require(p.adaptive_kl_target is None or p.adaptive_kl_target > 0,
             f"ppo.adaptive_kl_target={p.adaptive_kl_target} must be > 0 or null")

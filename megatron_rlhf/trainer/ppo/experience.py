@@ -12,12 +12,13 @@ work the same way; per-token outputs are read at the response positions of `Expe
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable, Dict, List
+from typing import Callable, Dict, List, Tuple
 
 import torch
 
 from megatron_rlhf.algo import advantages as adv
 from megatron_rlhf.algo import masked
+from megatron_rlhf.algo.correction import correction_weights
 from megatron_rlhf.algo.rewards import penalize_missing_eos, shaped_rewards
 from megatron_rlhf.trainer.ppo.batch import Experience
 from megatron_rlhf.models import heads
@@ -151,11 +152,13 @@ def estimate_advantages(exp: Experience, beta: float, kl_estimator: str, gamma: 
     return exp
 
 
-def rollout_stats(exp: Experience, dp_group=None) -> Dict[str, torch.Tensor]:
+def rollout_stats(exp: Experience, dp_group=None, correction: Tuple[str, float] = ("none", 2.0)) -> Dict[str, torch.Tensor]:
     """Rollout diagnostics as global means over `dp_group` (0-dim tensors; the trainer logs them).
 
     kl_per_seq: sum over tokens of the k1 estimate (logp - logp_ref), mean over sequences;
-    rho = exp(trainer logp - sampler logp) per token: mean, mean |rho - 1|, max.
+    rho = exp(trainer logp - sampler logp) per token: mean, mean |rho - 1|, max. With a rollout
+    correction (ppo.rollout_correction, cap): correction_weight (mean token weight), and the fraction of
+    tokens truncated (tis) or masked (mis).
     """
     mask = exp.response_mask
     seq = torch.ones_like(exp.scores)
@@ -168,6 +171,11 @@ def rollout_stats(exp: Experience, dp_group=None) -> Dict[str, torch.Tensor]:
         "value_explained_variance": explained_variance(exp.values, exp.returns, mask, dp_group),
         "return_mean": masked.masked_mean(exp.returns, mask, dp_group),
     }
+    if correction[0] != "none":
+        weights, capped = correction_weights(exp.logprobs, exp.sampler_logprobs, mask, *correction)
+        stats["correction_weight"] = masked.masked_mean(weights, mask, dp_group)
+        name = "truncated" if correction[0] == "tis" else "masked"
+        stats[f"correction_{name}_fraction"] = masked.masked_mean(capped, mask, dp_group)
     return {
         **stats,
         "rm_score": masked.masked_mean(exp.rm_scores, seq, dp_group),

@@ -128,6 +128,7 @@ def fit(cfg) -> Dict[str, float]:
     if baseline is None:  # iteration 0: the SFT policy, the reference point of summary.json
         baseline = last_eval = evaluate_policy()
         metrics.log(0, baseline)
+    correction = (p.rollout_correction, p.rollout_correction_cap)
     stop_at, resumed_at = min(p.iterations, cfg.train.exit_at_step or p.iterations), iteration
     while iteration < stop_at:
         with metrics.timer("time/iteration") as timing:
@@ -141,7 +142,7 @@ def fit(cfg) -> Dict[str, float]:
                                                frozen, cfg)
             with metrics.timer("time/advantages"):
                 group = cf.estimate(exp, cfg.ppo, kl_ctl.beta, greedy, dp_group)  # GAE, or grpo/rloo/remax
-                stats = {f"ppo/{k}": float(v) for k, v in {**rollout_stats(exp, dp_group), **group}.items()}
+                stats = {f"ppo/{k}": float(v) for k, v in {**rollout_stats(exp, dp_group, correction), **group}.items()}
                 batch = all_gather_experience(exp, dp_group)
             with metrics.timer("time/train"):
                 learned = learn(m.policy, m.value, batch, cfg, iteration=iteration, dp_rank=ctx.dp_rank,

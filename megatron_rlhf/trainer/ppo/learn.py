@@ -13,10 +13,11 @@ from __future__ import annotations
 
 import os
 from collections import defaultdict
-from typing import Callable, Dict, List, Optional
+from typing import Callable, Dict, List, Optional, Tuple
 
 import torch
 
+from megatron_rlhf.algo.correction import correction_weights
 from megatron_rlhf.algo.losses import entropy_bonus, kl_penalty, policy_loss, value_loss
 from megatron_rlhf.trainer.ppo.batch import Experience
 from megatron_rlhf.trainer.ppo.experience import response_entropy, response_logprobs, response_values
@@ -35,9 +36,12 @@ POLICY_STATS = ("policy_loss", "clip_fraction", "approx_kl", "ratio", "entropy")
 
 
 def policy_loss_fn(vocab_size: int, temperature: float, clip_eps: float, entropy_coef: float, poison: dict,
-                   kl_coef: float = 0.0, kl_estimator: str = "k3", ptx: bool = False):
+                   kl_coef: float = 0.0, kl_estimator: str = "k3", ptx: bool = False,
+                   correction: Tuple[str, float] = ("none", 2.0)):
     """loss_fn(logits [b, S, V/tp], mb) -> (token-sum loss, tokens, stats) for `make_forward_step`.
 
+    correction (ppo.rollout_correction, its cap): each token's surrogate term weighted by
+    algo.correction's weight of pi_old (mb["logprobs"]) against the sampler (mb["sampler_logprobs"]).
     kl_coef > 0 (ppo.kl_in=loss): + kl_coef x sum_t KL_t(policy || reference) (algo.losses.kl_penalty).
     ptx: the step also runs PPO-ptx micro-batches (they carry "labels"; trainer/ppo/ptx.py); every micro-batch
     then reports every stat name (zeros for the other kind), as `reduce_stats` needs."""
@@ -54,7 +58,10 @@ def policy_loss_fn(vocab_size: int, temperature: float, clip_eps: float, entropy
     def ppo_policy_loss(logits, mb):
         mask = mb["response_mask"]
         logp = response_logprobs(logits, mb, vocab_size, temperature)
-        loss_sum, s = policy_loss(logp, mb["logprobs"], mb["advantages"], mask, clip_eps)
+        weights = None
+        if correction[0] != "none":
+            weights, _ = correction_weights(mb["logprobs"], mb["sampler_logprobs"], mask, *correction)
+        loss_sum, s = policy_loss(logp, mb["logprobs"], mb["advantages"], mask, clip_eps, weights)
         stats = {}
         if kl_coef > 0:
             kl_sum, k = kl_penalty(logp, mb["ref_logprobs"], mask, kl_estimator)
@@ -138,7 +145,8 @@ def learn(policy: Trainable, value: Optional[Trainable], exp: Experience, cfg, *
     poison, poisoned = {}, _poisoned_steps()
     kl_coef = beta if p.kl_in == "loss" else 0.0
     policy_step = make_forward_step(policy_loss_fn(vocab_size, p.temperature, p.clip_eps, p.entropy_coef, poison,
-                                                   kl_coef, p.kl_estimator, ptx is not None))
+                                                   kl_coef, p.kl_estimator, ptx is not None,
+                                                   (p.rollout_correction, p.rollout_correction_cap)))
     value_step = make_forward_step(value_loss_fn(p.value_clip_eps, p.vf_coef))
     generator = torch.Generator().manual_seed(cfg.train.seed * 1_000_003 + iteration)
     share = p.minibatch_size // dp_size
