@@ -41,7 +41,7 @@ def load_for_plan(stage: str, yaml_path: Optional[str], overrides: Sequence[str]
 
 def cluster_from_yaml(path: str) -> Cluster:
     """nodes / gpus_per_node / gpu_memory_gib of a slurm/launch.py cluster YAML."""
-    from megatron_rlhf.slurm.cluster import load_cluster
+    from megatron_rlhf.config.cluster import load_cluster
 
     c = load_cluster(path, [])
     return Cluster(nodes=c.nodes, gpus_per_node=c.gpus_per_node, gpu_memory_gib=c.gpu_memory_gib)

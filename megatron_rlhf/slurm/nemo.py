@@ -13,7 +13,7 @@ import shlex
 import shutil
 from typing import Sequence
 
-from megatron_rlhf.slurm.cluster import SlurmCluster
+from megatron_rlhf.config.cluster import SlurmCluster
 from megatron_rlhf.slurm.sbatch import job_env
 
 

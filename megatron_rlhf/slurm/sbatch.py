@@ -10,7 +10,7 @@ import os
 import shlex
 from typing import Dict, Sequence
 
-from megatron_rlhf.slurm.cluster import SlurmCluster
+from megatron_rlhf.config.cluster import SlurmCluster
 
 SLURM_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))), "slurm")
 TRAIN_STAGES = ("sft", "rm", "ppo")

@@ -22,7 +22,7 @@ from typing import Sequence
 
 from megatron_rlhf.config.fields import ConfigError
 from megatron_rlhf.slurm import sbatch
-from megatron_rlhf.slurm.cluster import load_cluster
+from megatron_rlhf.config.cluster import load_cluster
 
 STAGES = ("sft", "rm", "ppo", "convert")
 

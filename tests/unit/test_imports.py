@@ -27,7 +27,7 @@ ALLOWED: Dict[str, Set[str]] = {
     "checkpoint": {"models", "parallel"},
     "rollout": {"algo", "config", "data", "models", "parallel"},
     "trainer": {"algo", "checkpoint", "config", "data", "models", "parallel", "rollout", "tasks"},
-    "plan": {"config", "models", "parallel", "slurm.cluster"},  # the cluster YAML a plan is made for
+    "plan": {"config", "models", "parallel"},
     "slurm": {"config", "plan"},
     "launch": {"parallel"},
     "cli": {"config", "parallel"},  # the stages themselves are named by string and imported on demand

@@ -9,7 +9,7 @@ import sys
 import pytest
 
 from megatron_rlhf import cli, launch
-from megatron_rlhf.slurm.cluster import load_cluster
+from megatron_rlhf.config.cluster import load_cluster
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 EX = os.path.join(ROOT, "examples")

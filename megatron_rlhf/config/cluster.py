@@ -18,6 +18,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import List, Optional, Sequence
 
+from megatron_rlhf.config import io as config_io
+from megatron_rlhf.config import schema as C
 from megatron_rlhf.config.fields import ConfigError, help_field as _f
 
 
@@ -58,9 +60,6 @@ class SlurmCluster:
 
 def load_cluster(path: Optional[str], overrides: Sequence[str]) -> SlurmCluster:
     """Defaults <- YAML file <- `key=value` overrides, checked; ConfigError (one line) otherwise."""
-    from megatron_rlhf.config import schema as C
-    from megatron_rlhf.config import io as config_io
-
     cluster, _ = config_io.structured(SlurmCluster, path, overrides)
     C.validate(cluster)  # choices
     if cluster.nodes < 1 or cluster.gpus_per_node < 0:
