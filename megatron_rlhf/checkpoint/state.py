@@ -10,7 +10,7 @@ Layout under the checkpoint root:
 A checkpoint is written into `.tmp-step_XXXXXXXX`, renamed when every rank has finished, and
 only then does `latest` move (atomic `os.replace`). A crash at any point leaves the previous
 checkpoint valid and `latest` pointing to it. The last `keep_last` checkpoints of this run are
-kept: each step directory records the stage and the run that wrote it (`run.json`), and pruning
+kept: each step directory records the stage, the run and the tokenizer that wrote it (`run.json`), and pruning
 removes only older steps of the same run, so a directory shared by mistake never loses another
 run's checkpoints, nor the one just written.
 
@@ -43,28 +43,59 @@ from megatron_rlhf.checkpoint.damage import (  # noqa: F401 - CheckpointError is
 LATEST = "latest"
 _PREFIX = "step_"
 _TMP_PREFIX = ".tmp-"
-RUN_RECORD = "run.json"  # in each step directory: {"stage": ..., "run_id": ...}
+RUN_RECORD = "run.json"  # in each step directory: {"stage": ..., "run_id": ..., "tokenizer": {...}}
 
 
 @dataclass(frozen=True)
 class RunRecord:
-    """Which stage (sft, rm, ppo, dpo) and which run wrote a checkpoint; a resumed run keeps its run_id."""
+    """Which stage (sft, rm, ppo, dpo) and which run wrote a checkpoint; a resumed run keeps its run_id.
+    `tokenizer`: the fingerprint of the run's tokenizer (data/tokenizer.py), checked by `check_tokenizer`."""
 
     stage: str
     run_id: str
+    tokenizer: Optional[dict] = None
 
     @staticmethod
-    def new(stage: str) -> "RunRecord":
-        return RunRecord(stage, uuid.uuid4().hex)
+    def new(stage: str, tokenizer: Optional[dict] = None) -> "RunRecord":
+        return RunRecord(stage, uuid.uuid4().hex, tokenizer)
 
 
 def read_run_record(step_dir: Path) -> Optional[RunRecord]:
     """The record of a step directory; None for checkpoints written before records existed (or converted)."""
     try:
         raw = json.loads((Path(step_dir) / RUN_RECORD).read_text())
-        return RunRecord(str(raw["stage"]), str(raw["run_id"]))
-    except (OSError, ValueError, KeyError, TypeError):
+        tok = raw.get("tokenizer")
+        return RunRecord(str(raw["stage"]), str(raw["run_id"]), tok if isinstance(tok, dict) else None)
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):
         return None
+
+
+def check_tokenizer(step_dir: Path, current: Optional[dict], key: str) -> None:
+    """CheckpointError (one line naming both tokenizer directories) if `step_dir` was trained with another
+    tokenizer than `current` (a fingerprint). No check when either is missing: `current` None means
+    tokenizer.allow_swap=true (a deliberate swap), and checkpoints written before fingerprints existed, or
+    converted from HF, record none, so they load as before."""
+    record = read_run_record(step_dir)
+    recorded = record.tokenizer if record is not None else None
+    if current is None or recorded is None:
+        return
+    if recorded.get("vocab") == current.get("vocab") and recorded.get("special") == current.get("special"):
+        return
+    raise CheckpointError(
+        f"{key}: {step_dir} was trained with the tokenizer in '{recorded.get('path')}', and tokenizer.path "
+        f"'{current.get('path')}' is another one ({_tokenizer_difference(recorded, current)}): the model would "
+        f"read token ids that mean other words; set tokenizer.path to '{recorded.get('path')}' (or a copy), or "
+        "tokenizer.allow_swap=true to swap tokenizers deliberately")
+
+
+def _tokenizer_difference(recorded: dict, current: dict) -> str:
+    if recorded.get("size") != current.get("size"):
+        return f"{recorded.get('size')} tokens there, {current.get('size')} here"
+    if recorded.get("vocab") != current.get("vocab"):
+        return f"both have {current.get('size')} tokens, mapped to other ids"
+    was, now = recorded.get("special") or {}, current.get("special") or {}
+    return "the same vocabulary, other special tokens: " + "; ".join(
+        f"{n} {was.get(n)} there, {now.get(n)} here" for n in sorted(set(was) | set(now)) if was.get(n) != now.get(n))
 
 
 def _unwrap(chunk):
@@ -163,7 +194,10 @@ def save_checkpoint(
         (tmp / "rng").mkdir(exist_ok=True)
         torch.save(_rng_state(), tmp / "rng" / f"rank{_rank():05d}.pt")
         if run is not None and _rank() == 0:
-            (tmp / RUN_RECORD).write_text(json.dumps({"stage": run.stage, "run_id": run.run_id}) + "\n")
+            record = {"stage": run.stage, "run_id": run.run_id}
+            if run.tokenizer is not None:
+                record["tokenizer"] = run.tokenizer
+            (tmp / RUN_RECORD).write_text(json.dumps(record) + "\n")
     except _load_failures() as e:  # CheckpointException is a BaseException
         failure = e
     _fault_point("after_shards", step)
@@ -353,7 +387,7 @@ CONVERTED_META = "megatron_rlhf_meta.json"  # written by tools/convert_hf_to_meg
 
 
 def load_model_weights(path: str | os.PathLike, chunks, source_name: str, head: str, skip_head: bool = False,
-                       dp_group=None, key: Optional[str] = None) -> None:
+                       dp_group=None, key: Optional[str] = None, tokenizer: Optional[dict] = None) -> None:
     """Initialise `chunks` (a model with `head` "lm"|"scalar") from a checkpoint, without optimizer state.
 
     `path` is a training checkpoint (root or step directory; the model saved as `source_name` is
@@ -363,7 +397,8 @@ def load_model_weights(path: str | os.PathLike, chunks, source_name: str, head: 
     `skip_head=True` keeps the built (fresh) output layer even when the source has the same head.
     `dp_group`: for a model built in a layout of its own (see `_model_state`), which then loads straight
     into that layout. `key`: the setting `path` came from, named in errors (default: the usual one for
-    `source_name`).
+    `source_name`). `tokenizer`: the fingerprint of this run's tokenizer; a checkpoint that records another
+    is refused (`check_tokenizer`; None: no check).
     """
     import json
 
@@ -371,6 +406,7 @@ def load_model_weights(path: str | os.PathLike, chunks, source_name: str, head: 
 
     key = key or KEY_OF.get(source_name, "model.load")
     step_dir = resolve_checkpoint_dir(path)
+    check_tokenizer(step_dir, tokenizer, key)
     if (step_dir / CONVERTED_META).exists():
         try:
             meta = json.loads((step_dir / CONVERTED_META).read_text())

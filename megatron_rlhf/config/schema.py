@@ -109,6 +109,8 @@ class TokenizerConfig:
     path: Optional[str] = _f(
         None, "local HF tokenizer directory (default: model.hf_config's directory when it has one)"
     )
+    allow_swap: bool = _f(False, "load checkpoints trained with another tokenizer (a deliberate swap; "
+                                 "otherwise refused)")
 
 
 @dataclass

@@ -30,6 +30,9 @@ from typing import Any, Callable, Dict, List, Optional, Sequence
 import numpy as np
 
 from megatron_rlhf.config.schema import DataConfig
+from megatron_rlhf.data.tokenizer import (  # noqa: F401 - the stages reach them as dataset.load_tokenizer etc.
+    DataError, check_vocab, fingerprint, load_tokenizer, require_eos,
+)
 
 KINDS = ("sft", "preference", "prompt")
 FORMATS = ("jsonl", "json", "parquet", "arrow")
@@ -37,40 +40,6 @@ _EXTENSIONS = {".jsonl": "jsonl", ".json": "json", ".parquet": "parquet", ".arro
 _JSON_COLUMN = "_json"  # json/jsonl rows are read as raw text lines and parsed per row (see read_rows)
 _STATUS = "_status"
 _OK, _TRUNCATED, _OVERLONG = "ok", "truncated", "overlong"
-
-
-class DataError(ValueError):
-    """Unusable data. The message is one line naming the file, the numbers and the fix."""
-
-
-# --------------------------------------------------------------------------------------------
-# Tokenizer
-# --------------------------------------------------------------------------------------------
-
-
-def load_tokenizer(path: str):
-    """A local HF tokenizer (no hub access). A missing pad token falls back to EOS: collate never
-    relies on the pad id to find real tokens (it uses lengths), so this is safe."""
-    from transformers import AutoTokenizer
-
-    if not os.path.isdir(path):
-        raise DataError(f"tokenizer.path: '{path}' is not a directory holding an HF tokenizer")
-    try:
-        tok = AutoTokenizer.from_pretrained(path, local_files_only=True)
-    except Exception as e:
-        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-        raise DataError(f"tokenizer.path: could not load a tokenizer from '{path}': {first}") from None
-    if tok.pad_token_id is None and tok.eos_token_id is not None:
-        tok.pad_token = tok.eos_token
-    return tok
-
-
-def check_vocab(tokenizer, vocab_size: int) -> None:
-    """`DataError` if the tokenizer can produce ids the model has no embedding for."""
-    if len(tokenizer) > vocab_size:
-        raise DataError(
-            f"tokenizer has {len(tokenizer)} tokens but model.vocab_size={vocab_size}: use the model's tokenizer"
-        )
 
 
 # --------------------------------------------------------------------------------------------

@@ -44,7 +44,10 @@ def calibrate(cfg, reward_chunks, tokenizer, dp_rank: int, dp_size: int, log=Non
         raise ValueError("calibration needs the SFT policy: set calibration.policy_load (or model.load)")
     model_cfg = cfg.model.to_model_config()
     policy = build_model(model_cfg, cfg.parallel, head="lm", fp8=cfg.fp8)
-    ckpt.load_model_weights(policy_path, policy, "policy", "lm")
+    from megatron_rlhf.trainer.run import expected_tokenizer
+
+    ckpt.load_model_weights(policy_path, policy, "policy", "lm", key="calibration.policy_load" if cal.policy_load
+                            else "model.load", tokenizer=expected_tokenizer(cfg, tokenizer))
 
     prompt_cfg = dataclasses.replace(cfg.data, train_path=cal.prompts_path or cfg.data.train_path, eval_path=None)
     prompts, _ = D.load_examples("prompt", prompt_cfg, tokenizer, log=log)

@@ -170,7 +170,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                                 max_seq_len=model_cfg.max_position_embeddings - args.max_new_tokens + 1)
         prompts, _ = D.load_examples("prompt", data_cfg, tokenizer, log=print if rank0 else None)
         policy = build_model(model_cfg, parallel, head="lm")
-        ckpt.load_model_weights(args.policy, policy, "policy", "lm")
+        ckpt.load_model_weights(args.policy, policy, "policy", "lm", key="--policy", tokenizer=D.fingerprint(tokenizer))
 
         # Same seed on the TP ranks of one data-parallel rank (they must decode the same tokens),
         # different seeds across data-parallel ranks (disjoint prompts, independent samples).

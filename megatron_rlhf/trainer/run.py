@@ -80,8 +80,14 @@ def start_run(cfg, check_batch: Callable[[int], Any]) -> RunContext:
         model_cfg=model_cfg, world=world, dp_size=dp_size, dp_rank=ps.get_data_parallel_rank(), rank0=rank0,
         log=print if rank0 else None, tokenizer=tokenizer,
         ckpt_root=cfg.checkpoint.dir or f"{cfg.logging.run_dir}/checkpoints",
-        run=ckpt.RunRecord.new(stage_of(cfg)),
+        run=ckpt.RunRecord.new(stage_of(cfg), D.fingerprint(tokenizer)),
     )
+
+
+def expected_tokenizer(cfg, tokenizer) -> Optional[dict]:
+    """The tokenizer fingerprint every checkpoint this run loads must match (`ckpt.check_tokenizer`);
+    None (no check) with tokenizer.allow_swap=true."""
+    return None if cfg.tokenizer.allow_swap else D.fingerprint(tokenizer)
 
 
 def stage_of(cfg) -> str:
@@ -110,7 +116,8 @@ def build_frozen(cfg, ctx: RunContext, head: str, load: Optional[str], source_na
     setting `load` came from, for errors)."""
     chunks = build_model(ctx.model_cfg, cfg.parallel, head=head, fp8=cfg.fp8)
     if load:
-        ckpt.load_model_weights(load, chunks, source_name, head, skip_head=skip_head, key=key)
+        ckpt.load_model_weights(load, chunks, source_name, head, skip_head=skip_head, key=key,
+                                tokenizer=expected_tokenizer(cfg, ctx.tokenizer))
     return chunks
 
 
@@ -131,8 +138,9 @@ def build_trainable(cfg, ctx: RunContext, head: str, load: Optional[str], source
 def resume_point(cfg, ctx: RunContext):
     """The checkpoint directory to resume from, or None (fresh start); honours `checkpoint.resume`.
 
-    Resuming continues the run id of the checkpoint; only this stage's checkpoints are resumed from, and a
-    fresh start refuses a directory holding checkpoints (unless checkpoint.overwrite moves them aside)."""
+    Resuming continues the run id of the checkpoint (recording this run's tokenizer); only this stage's
+    checkpoints trained with this tokenizer are resumed from, and a fresh start refuses a directory holding
+    checkpoints (unless checkpoint.overwrite moves them aside)."""
     key = "checkpoint.dir" if cfg.checkpoint.dir else "logging.run_dir"
     found = None
     if cfg.checkpoint.resume != "never":
@@ -141,9 +149,11 @@ def resume_point(cfg, ctx: RunContext):
         if cfg.checkpoint.resume == "required" and found is None:
             raise ckpt.CheckpointError(f"checkpoint.resume=required but {root} has no checkpoint")
     if found is not None:
-        record = run_dir.check_resumable(found, ctx.run.stage, "checkpoint.load" if cfg.checkpoint.load else key)
+        where = "checkpoint.load" if cfg.checkpoint.load else key
+        record = run_dir.check_resumable(found, ctx.run.stage, where)
+        ckpt.check_tokenizer(found, None if cfg.tokenizer.allow_swap else ctx.run.tokenizer, where)
         if record is not None:
-            ctx.run = record
+            ctx.run = replace(record, tokenizer=ctx.run.tokenizer)
         return found
     run_dir.check_fresh_start(Path(ctx.ckpt_root), ctx.run.stage, key, cfg.checkpoint.overwrite, ctx.rank0, ctx.log)
     torch.distributed.barrier()  # rank 0 has moved the old checkpoints aside before anyone writes

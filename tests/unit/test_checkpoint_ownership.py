@@ -47,7 +47,7 @@ def test_prune_keeps_the_new_run_and_never_touches_another_runs_steps(world, tmp
 def _cfg(run, resume="auto", overwrite=False, ckpt_dir=None):
     return SimpleNamespace(
         checkpoint=SimpleNamespace(resume=resume, load=None, dir=ckpt_dir, overwrite=overwrite),
-        logging=SimpleNamespace(run_dir=str(run)))
+        logging=SimpleNamespace(run_dir=str(run)), tokenizer=SimpleNamespace(allow_swap=False))
 
 
 def _ctx(root, stage):

@@ -67,6 +67,7 @@ def fit(cfg) -> Dict[str, float]:
     from megatron.core import parallel_state as ps
 
     dp_group, tok, log = ps.get_data_parallel_group(), ctx.tokenizer, ctx.log
+    D.require_eos(tok, "PPO")
     train_prompts, eval_prompts = load_prompts(cfg, tok, log)
     if eval_prompts and min(p.eval_prompts, len(eval_prompts)) < ctx.dp_size:  # each rank evaluates a share
         raise ConfigError(f"held-out evaluation needs a prompt per data-parallel rank: {len(eval_prompts)} in "

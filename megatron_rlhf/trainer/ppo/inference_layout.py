@@ -77,26 +77,27 @@ def _concat_rows(parts: List[Dict[str, torch.Tensor]]) -> Dict[str, torch.Tensor
 
 
 def build_inference_model(cfg, model_cfg, layout: Layout, head: str, load: str, source_name: str,
-                          temperature: float) -> InferenceModel:
+                          temperature: float, tokenizer=None) -> InferenceModel:
     """A frozen model in `layout` with the weights of checkpoint `load` (collective), read straight into
     that layout: dist_checkpointing reshards at load, given the layout's own DP group for replica ids.
     The vocabulary keeps the training TP's padding (`build_in_layout`), so its global shape is the one
-    the training layout loads."""
+    the training layout loads. `tokenizer`: the fingerprint the checkpoint must match (None: no check)."""
     from megatron_rlhf.checkpoint import state as ckpt
 
     model = build_in_layout(model_cfg, cfg.parallel.tp, layout, head=head)
-    ckpt.load_model_weights(load, [model], source_name, head, dp_group=layout.pg_collection.dp)
+    ckpt.load_model_weights(load, [model], source_name, head, dp_group=layout.pg_collection.dp, tokenizer=tokenizer)
     for p in model.parameters():
         p.requires_grad_(False)
     return InferenceModel(model, layout, head, model_cfg.vocab_size, temperature)
 
 
-def build_frozen_pair(cfg, model_cfg, with_reference: bool = True) -> tuple:
+def build_frozen_pair(cfg, model_cfg, with_reference: bool = True, tokenizer=None) -> tuple:
     """(reference, reward) for `ppo.inference_tp`: one layout, both models loaded into it (collective).
     `with_reference=False` (ppo.reference_mode=swap): the reward model only; reference is None."""
     from megatron_rlhf.rollout.layout import tp_only_layout
 
     layout = tp_only_layout(cfg.ppo.inference_tp)
     t = cfg.ppo.temperature
-    reference = build_inference_model(cfg, model_cfg, layout, "lm", cfg.model.load, "policy", t) if with_reference else None
-    return reference, build_inference_model(cfg, model_cfg, layout, "scalar", cfg.ppo.reward_load, "reward", t)
+    reference = (build_inference_model(cfg, model_cfg, layout, "lm", cfg.model.load, "policy", t, tokenizer)
+                 if with_reference else None)
+    return reference, build_inference_model(cfg, model_cfg, layout, "scalar", cfg.ppo.reward_load, "reward", t, tokenizer)

@@ -23,7 +23,7 @@ import torch
 from megatron_rlhf.checkpoint import state as ckpt
 from megatron_rlhf.config.ppo import critic_free
 from megatron_rlhf.trainer.ppo.reference_swap import HostReference
-from megatron_rlhf.trainer.run import RunContext, Trainable, build_frozen, build_trainable, with_lr
+from megatron_rlhf.trainer.run import RunContext, Trainable, build_frozen, build_trainable, expected_tokenizer, with_lr
 
 
 @dataclass
@@ -115,7 +115,8 @@ def build_ppo_models(cfg, ctx: RunContext, total_steps: int) -> PPOModels:
     else:  # their own layout, TP = ppo.inference_tp and PP = 1 (trainer/ppo/inference_layout.py)
         from megatron_rlhf.trainer.ppo.inference_layout import build_frozen_pair
 
-        reference, reward = build_frozen_pair(cfg, ctx.model_cfg, with_reference=swapped is None)
+        reference, reward = build_frozen_pair(cfg, ctx.model_cfg, with_reference=swapped is None,
+                                              tokenizer=expected_tokenizer(cfg, ctx.tokenizer))
         reference = swapped if swapped is not None else reference
     mean, std = 0.0, 1.0
     if p.normalize_reward:

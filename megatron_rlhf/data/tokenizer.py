@@ -1,0 +1,67 @@
+"""The tokenizer of a run: loaded from a local HF directory, checked against the model, and fingerprinted.
+
+A checkpoint records the fingerprint of the tokenizer it was trained with (`fingerprint`, kept in the step's
+run.json by checkpoint/state.py), so a later stage that loads it with another tokenizer is refused: a
+permuted vocabulary of the right size, or a smaller one whose ids shift, would otherwise train and score
+on token ids that mean other words, with no error.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from typing import Any, Dict
+
+
+class DataError(ValueError):
+    """Unusable data or tokenizer. The message is one line naming the file, the numbers and the fix."""
+
+
+def load_tokenizer(path: str):
+    """A local HF tokenizer (no hub access). A missing pad token falls back to EOS: collate never
+    relies on the pad id to find real tokens (it uses lengths), so this is safe."""
+    from transformers import AutoTokenizer
+
+    if not os.path.isdir(path):
+        raise DataError(f"tokenizer.path: '{path}' is not a directory holding an HF tokenizer")
+    try:
+        tok = AutoTokenizer.from_pretrained(path, local_files_only=True)
+    except Exception as e:
+        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise DataError(f"tokenizer.path: could not load a tokenizer from '{path}': {first}") from None
+    if tok.pad_token_id is None and tok.eos_token_id is not None:
+        tok.pad_token = tok.eos_token
+    return tok
+
+
+def check_vocab(tokenizer, vocab_size: int) -> None:
+    """`DataError` if the tokenizer can produce ids the model has no embedding for."""
+    if len(tokenizer) > vocab_size:
+        raise DataError(
+            f"tokenizer has {len(tokenizer)} tokens but model.vocab_size={vocab_size}: use the model's tokenizer"
+        )
+
+
+def require_eos(tokenizer, stage: str) -> None:
+    """Stages that generate end each response at EOS: without one every response runs to the length limit
+    and is penalised as truncated (truncation rate 1.0 from the first iteration)."""
+    if tokenizer.eos_token_id is None:
+        raise DataError(
+            f"tokenizer.path: the tokenizer at '{tokenizer.name_or_path}' has no EOS token, and {stage} ends "
+            "every response at EOS (without one each response is cut at the length limit and penalised): "
+            "use a tokenizer with an eos_token (set it in its tokenizer_config.json)")
+
+
+def fingerprint(tokenizer) -> Dict[str, Any]:
+    """What a checkpoint records of its tokenizer: the directory it came from, its size, a hash of the
+    vocabulary (every token -> id, added tokens included) and the special tokens with their ids. Two
+    tokenizers with equal `vocab` and `special` map every token to the same id."""
+    vocab = sorted(tokenizer.get_vocab().items(), key=lambda kv: (kv[1], kv[0]))
+    special = {}
+    for name, token in sorted(tokenizer.special_tokens_map.items()):
+        tokens = token if isinstance(token, list) else [token]
+        special[name] = [[str(t), tokenizer.convert_tokens_to_ids(str(t))] for t in tokens]
+    return {"path": os.path.abspath(str(tokenizer.name_or_path)), "size": len(tokenizer),
+            "vocab": hashlib.sha256(json.dumps(vocab).encode()).hexdigest()[:16], "special": special}
+
