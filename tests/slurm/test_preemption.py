@@ -6,9 +6,10 @@ resumed (Restarts >= 1) and wrote one log across its restarts."""
 
 import re
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 from tests.slurm.cluster import cluster_yaml, wait_for
-from tests.slurm.stages import LONG_STEPS, assert_same_metrics, run_dir, sft_config, step_metrics
+from tests.slurm.stages import LONG_STEPS, assert_same_metrics, run_dir, run_local, sft_config, step_metrics
 
 
 def _submit(slurm, tiny, tmp_path, name="long", steps=LONG_STEPS, **cluster):
@@ -32,7 +33,7 @@ def _resumed_exactly(slurm, job, run, reference, stopped_by):
     assert stops and f"requeueing job {job} to resume" in log, log[-4000:]
     for restart in range(int(info["Restarts"]) + 1):  # --open-mode=append: the same file for every run
         assert f"job {job} restart {restart}" in log, log[-4000:]
-    assert f"resum" in log.lower(), log[-4000:]
+    assert "resumed from" in log, log[-4000:]
     assert_same_metrics(run, run_dir(reference))
     return [int(s) for s in stops]
 
@@ -47,12 +48,18 @@ def test_sigusr1_mid_run(slurm, tiny, tmp_path):
 
 def test_the_time_limits_own_signal(slurm, tiny, tmp_path):
     """`--time=2:00 --signal=USR1@100`: Slurm's SIGUSR1 comes 100 s (+10-16 s) before the limit, i.e. 4-10 s
-    into the run (in start-up or mid-run). Once requeued, the job gets a longer limit: the rerun would
-    otherwise be stopped at the same moment again (and again), which is the same path once more."""
-    job, run = _submit(slurm, tiny, tmp_path, time="2:00", signal_seconds=100)
-    wait_for(lambda: int(slurm.job(job).get("Restarts", 0)) >= 1, 150, f"job {job} to be requeued by its time limit")
-    slurm.run("scontrol", "update", f"JobId={job}", "TimeLimit=10")
-    _resumed_exactly(slurm, job, run, tiny["long"], "USR1")
+    into the run (in start-up or mid-run); the run is made long enough (~15 s) to be still going. Once
+    requeued, the job gets a longer limit: the rerun would otherwise be stopped at the same moment again
+    (and again), which is the same path once more."""
+    steps = 3 * LONG_STEPS
+    job, run = _submit(slurm, tiny, tmp_path, name="timed", steps=steps, time="2:00", signal_seconds=100)
+    reference = sft_config(tiny["data"], tmp_path, "timed-local", **{"train.train_steps": steps})
+    with ThreadPoolExecutor(1) as pool:
+        local = pool.submit(run_local, "sft", reference)  # while the job runs
+        wait_for(lambda: int(slurm.job(job).get("Restarts", 0)) >= 1, 150, f"job {job} to be requeued by its limit")
+        slurm.run("scontrol", "update", f"JobId={job}", "TimeLimit=10")
+        local.result()
+    _resumed_exactly(slurm, job, run, reference, "USR1")
 
 
 def test_slurms_own_requeue(slurm, tiny, tmp_path):
