@@ -40,6 +40,7 @@ _EXTENSIONS = {".jsonl": "jsonl", ".json": "json", ".parquet": "parquet", ".arro
 _JSON_COLUMN = "_json"  # json/jsonl rows are read as raw text lines and parsed per row (see read_rows)
 _STATUS = "_status"
 _OK, _TRUNCATED, _OVERLONG = "ok", "truncated", "overlong"
+_TOKENIZER_ERROR = "tokenizer error"  # a bad-row reason that is the tokenizer's fault, not the data's
 
 
 # --------------------------------------------------------------------------------------------
@@ -214,7 +215,7 @@ class _Tokenize:
         try:
             return list(self.tok(text, add_special_tokens=special)["input_ids"])
         except Exception as e:  # e.g. a word-level tokenizer without an unknown token
-            raise _BadRow(f"tokenizer error ({type(e).__name__})") from None
+            raise _BadRow(f"{_TOKENIZER_ERROR} ({type(e).__name__})") from None
 
     def _response(self, text: str) -> List[int]:
         ids = self._encode(text, special=False)
@@ -398,6 +399,7 @@ def tokenize_rows(raw, kind: str, cfg: DataConfig, tokenizer, source: str = "dat
     if report.total == 0:
         raise DataError(f"data {source}: no rows")
     if report.bad_fraction > cfg.max_bad_fraction:
+        _blame_tokenizer(report, statuses, tokenizer)
         raise DataError(
             f"data {source}: {report.num_bad} of {report.total} rows ({100 * report.bad_fraction:.1f}%) are "
             f"malformed, more than data.max_bad_fraction={cfg.max_bad_fraction} ({report._bad_text()}): "
@@ -413,6 +415,19 @@ def tokenize_rows(raw, kind: str, cfg: DataConfig, tokenizer, source: str = "dat
         )
     ds = ds.select(keep, keep_in_memory=True) if len(keep) < len(statuses) else ds
     return ds.remove_columns(_STATUS), report
+
+
+def _blame_tokenizer(report: DataReport, statuses: List[str], tokenizer) -> None:
+    """When most bad rows are rows the tokenizer cannot encode (a word-level vocabulary without the data's
+    digits, say), the data is fine and `tokenizer.path` is what to fix: one line saying so."""
+    failed = sum(n for reason, n in report.bad.items() if reason.startswith(_TOKENIZER_ERROR))
+    if failed * 2 <= report.num_bad:
+        return
+    first = next(i for i, s in enumerate(statuses) if s.startswith(f"bad:{_TOKENIZER_ERROR}"))
+    raise DataError(
+        f"tokenizer.path: the tokenizer in '{tokenizer.name_or_path}' cannot encode {failed} of the {report.total} "
+        f"rows of {report.source} (the first is row {first + 1}): it lacks tokens this data uses; use the "
+        "tokenizer the data and the model were made with")
 
 
 def load_examples(kind: str, cfg: DataConfig, tokenizer, path: Optional[str] = None, log: Optional[Callable] = print):

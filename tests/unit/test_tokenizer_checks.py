@@ -1,8 +1,9 @@
 """Checkpoints record a fingerprint of their tokenizer, and whatever loads one with another tokenizer is refused in
 one line naming both directories (issue 22, item 6): a permuted vocabulary of the right size and a smaller one
 whose ids shift are both caught; tokenizer.allow_swap=true lets a deliberate swap through; checkpoints without a
-fingerprint (older ones, converted HF ones) load as before. A tokenizer without EOS is refused for PPO.
-A world of one rank, in process."""
+fingerprint (older ones, converted HF ones) load as before. A tokenizer without EOS is refused for PPO, and one
+that cannot encode the data is blamed as `tokenizer.path`, not as malformed rows (item 14). A world of one rank,
+in process."""
 
 import json
 import shutil
@@ -127,3 +128,19 @@ def test_a_tokenizer_without_eos_is_refused_for_ppo(tmp_path):
     assert str(e.value).startswith(f"tokenizer.path: the tokenizer at '{tok.name_or_path}' has no EOS token, and "
                                    "PPO ends every response at EOS"), e.value
     D.require_eos(D.load_tokenizer(sort_digits.save_tokenizer(str(tmp_path / "tiny"))), "PPO")
+
+
+def test_a_tokenizer_missing_the_tasks_digits_is_blamed_not_the_rows(tmp_path):
+    import random
+
+    rows = sort_digits.prompts(200, random.Random(0))
+    (tmp_path / "prompts.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    tok = _tokenizer(tmp_path / "no_7", [t for t in sort_digits.VOCAB if t != "7"])
+    failing = sum("7" in r["prompt"].split() for r in rows)
+    with pytest.raises(D.DataError) as e:
+        D.load_examples("prompt", C.DataConfig(), tok, str(tmp_path / "prompts.jsonl"), log=None)
+    first = next(i for i, r in enumerate(rows) if "7" in r["prompt"].split()) + 1
+    assert str(e.value) == (f"tokenizer.path: the tokenizer in '{tok.name_or_path}' cannot encode {failing} of the "
+                            f"200 rows of {tmp_path / 'prompts.jsonl'} (the first is row {first}): it lacks tokens "
+                            "this data uses; use the tokenizer the data and the model were made with")
+    assert "malformed" not in str(e.value)
