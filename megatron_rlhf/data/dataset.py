@@ -11,7 +11,9 @@ Three kinds of rows (field names come from `DataConfig`):
 
 Malformed rows (missing field, wrong type, empty text, invalid JSON) are counted and skipped; the load
 stops with `DataError` when their fraction exceeds ``data.max_bad_fraction``. Over-long examples are
-truncated or dropped (``data.overlong``) and counted. Every load reports one summary line.
+truncated or dropped (``data.overlong``) and counted: SFT and preference examples lose their end, prompts their
+middle (`prompt_ends`: BOS and the instruction at the start, the generation cue at the end are kept). Every
+load reports one summary line, and a warning line when examples were truncated.
 
 Batches: `data/collate.py` turns examples into padded tensors; `data/sampler.py` decides which examples each
 data-parallel rank takes at each step.
@@ -309,9 +311,17 @@ class _Tokenize:
         if len(ids) > limit:
             if c.overlong == "drop":
                 return {_STATUS: _OVERLONG}
-            # keep the end: that is where the question and the generation cue are
-            return {"prompt_ids": ids[-limit:], _STATUS: _TRUNCATED}
+            head, tail = prompt_ends(limit)
+            return {"prompt_ids": ids[:head] + ids[len(ids) - tail:], _STATUS: _TRUNCATED}
         return {"prompt_ids": ids, _STATUS: _OK}
+
+
+def prompt_ends(limit: int) -> tuple:
+    """How an over-long prompt is cut under data.overlong=truncate: its first and last tokens are kept and the
+    middle dropped. The start holds BOS, the system prompt and the instruction; the end holds the question's
+    last words and the chat template's generation cue (e.g. '<|im_start|>assistant'), without which the model
+    continues the user's turn instead of answering. Cutting either end off loses more than the middle does."""
+    return (limit + 1) // 2, limit // 2
 
 
 @dataclass
@@ -326,6 +336,7 @@ class DataReport:
     dropped_overlong: int = 0
     bad: Dict[str, int] = field(default_factory=dict)
     max_seq_len: int = 0
+    limit_key: str = "data.max_seq_len"  # the setting max_seq_len came from
 
     @property
     def num_bad(self) -> int:
@@ -337,6 +348,19 @@ class DataReport:
 
     def _bad_text(self) -> str:
         return ", ".join(f"{reason}: {n}" for reason, n in sorted(self.bad.items(), key=lambda kv: -kv[1]))
+
+    def warning(self) -> Optional[str]:
+        """One line when examples were truncated: a number in the summary is easy to miss."""
+        if not self.truncated:
+            return None
+        if self.kind == "prompt":
+            head, tail = prompt_ends(self.max_seq_len)
+            how = f"cut in the middle (their first {head} and last {tail} tokens kept)"
+        else:
+            how = "cut at the end (responses shortened)"
+        return (f"warning: data {self.source}: {self.truncated} of {self.total} {self.kind} examples are longer than "
+                f"{self.max_seq_len} tokens and were {how}: raise {self.limit_key}, or set data.overlong=drop to "
+                "skip them")
 
     def summary(self) -> str:
         parts = [f"data {self.source} ({self.kind}): {self.total} rows, {self.kept} kept"]
@@ -395,6 +419,7 @@ def tokenize_rows(raw, kind: str, cfg: DataConfig, tokenizer, source: str = "dat
         dropped_overlong=counts.get(_OVERLONG, 0),
         bad={s[4:]: n for s, n in counts.items() if s.startswith("bad:")},
         max_seq_len=(cfg.max_prompt_len or cfg.max_seq_len) if kind == "prompt" else cfg.max_seq_len,
+        limit_key="data.max_prompt_len" if kind == "prompt" and cfg.max_prompt_len else "data.max_seq_len",
     )
     if report.total == 0:
         raise DataError(f"data {source}: no rows")
@@ -438,6 +463,8 @@ def load_examples(kind: str, cfg: DataConfig, tokenizer, path: Optional[str] = N
     ds, report = tokenize_rows(read_rows(path, cfg.format), kind, cfg, tokenizer, source=path)
     if log is not None:
         log(report.summary())
+        if report.warning():
+            log(report.warning())
     return ds, report
 
 

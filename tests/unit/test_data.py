@@ -263,12 +263,21 @@ def test_preference_truncation_that_removes_the_difference_drops(tmp_path, tok):
         D.load_examples("preference", cfg(max_seq_len=7), tok, path, log=None)
 
 
-def test_prompt_rows_truncate_from_the_left(tmp_path, tok):
+def test_overlong_prompts_keep_their_start_and_end_with_a_warning(tmp_path, tok):
+    """Issue 22, item 9: BOS + the instruction (start) and the generation cue (end) survive; the middle goes."""
     path = write_lines(tmp_path / "q.jsonl", [{"prompt": "sort 1 2 3 4 5 ="}, {"prompt": "sort 1 ="}])
-    ds, report = D.load_examples("prompt", cfg(max_seq_len=32, max_prompt_len=5), tok, path, log=None)
+    logged = []
+    ds, report = D.load_examples("prompt", cfg(max_seq_len=32, max_prompt_len=5), tok, path, log=logged.append)
     assert report.truncated == 1
-    assert ds[0]["prompt_ids"] == ids(tok, "sort 1 2 3 4 5 =", special=True)[-5:]
+    assert ds[0]["prompt_ids"] == ids(tok, "sort 1 5 =", special=True)  # <bos> sort 1 | 2 3 4 dropped | 5 =
+    assert ds[0]["prompt_ids"][0] == tok.bos_token_id
     assert ds[1]["prompt_ids"] == ids(tok, "sort 1 =", special=True)
+    assert logged[1] == (f"warning: data {path}: 1 of 2 prompt examples are longer than 5 tokens and were cut in the "
+                         "middle (their first 3 and last 2 tokens kept): raise data.max_prompt_len, or set "
+                         "data.overlong=drop to skip them")
+    logged.clear()
+    D.load_examples("prompt", cfg(max_seq_len=32), tok, path, log=logged.append)
+    assert len(logged) == 1  # nothing truncated: the summary alone
 
 
 # ---------------------------------------------------------------------------------------------
