@@ -21,7 +21,10 @@ setup(
     ],
     extras_require={
         # nemo-run: the tests render its Slurm dry runs; ~350 MB with ray, installs in under a minute.
-        "test": ["pytest", "hypothesis", "transformers", "safetensors", "nemo-run==0.11.1", "leptonai<0.47"],
+        "test": ["pytest", "hypothesis", "transformers", "safetensors", "nemo-run==0.11.1", "leptonai<0.47",
+                 "gguf", "accelerate"],
+        # --gguf conversion (checkpoint/gguf.py): transformers reads GGUF files through these.
+        "gguf": ["gguf", "accelerate"],
         # GPU-only paths, imported lazily. NVIDIA Apex is used when importable (NGC containers);
         # the registry package named "apex" is unrelated and must never be a dependency.
         "gpu": ["transformer-engine[pytorch]", "vllm"],

@@ -8,9 +8,12 @@ from __future__ import annotations
 
 import argparse
 import sys
+from pathlib import Path
 from typing import Optional, Sequence
 
+from megatron_rlhf.checkpoint.gguf import gguf_as_hf_dir
 from megatron_rlhf.checkpoint.hf import DTYPES, hf_to_megatron, megatron_to_hf
+from megatron_rlhf.checkpoint.out_dir import check_output_dir
 from megatron_rlhf.models.hf_mapping import ConversionError
 
 
@@ -30,7 +33,10 @@ def hf_to_megatron_main(argv: Optional[Sequence[str]] = None, prog: str = "conve
         description="HF directory (Llama/Mistral/Qwen2, causal LM or sequence classifier) -> Megatron torch_dist "
         "checkpoint that loads at any TP/PP.",
     )
-    p.add_argument("--hf-dir", required=True, help="HF model directory (config.json + safetensors or .bin)")
+    src = p.add_mutually_exclusive_group(required=True)
+    src.add_argument("--hf-dir", help="HF model directory (config.json + safetensors or .bin)")
+    src.add_argument("--gguf", help="a GGUF file (llama.cpp): dequantised to --dtype (default float32) through "
+                     "transformers, its tokenizer and chat template carried along (checkpoint/gguf.py)")
     p.add_argument("--out", required=True, help="output checkpoint directory (must not exist)")
     p.add_argument("--overwrite", action="store_true", help="replace an existing --out")
     p.add_argument(
@@ -45,9 +51,9 @@ def hf_to_megatron_main(argv: Optional[Sequence[str]] = None, prog: str = "conve
     p.add_argument("--quiet", action="store_true", help="no progress bar")
     args = p.parse_args(argv)
 
-    def go(_):
+    def convert(hf_dir, source=None):
         hf_to_megatron(
-            args.hf_dir,
+            hf_dir,
             args.out,
             head=args.head,
             dtype=args.dtype,
@@ -55,7 +61,18 @@ def hf_to_megatron_main(argv: Optional[Sequence[str]] = None, prog: str = "conve
             target_tp=args.target_tp,
             key_prefix=args.key_prefix,
             progress=not args.quiet,
+            source=source,
         )
+
+    def go(_):
+        if args.gguf is None:
+            convert(args.hf_dir)
+        else:
+            check_output_dir(Path(args.out), args.overwrite, "megatron")  # before the minutes of loading
+            scratch = Path(args.out).absolute().parent
+            scratch.mkdir(parents=True, exist_ok=True)
+            with gguf_as_hf_dir(args.gguf, args.dtype, scratch) as hf_dir:
+                convert(hf_dir, source=str(Path(args.gguf).absolute()))
         print(f"wrote {args.out}")
 
     return _run(go, argv)

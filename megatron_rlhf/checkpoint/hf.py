@@ -169,6 +169,7 @@ def hf_to_megatron(
     target_tp: Optional[int] = None,
     key_prefix: str = "",
     progress: bool = False,
+    source: Optional[str] = None,
 ) -> Path:
     """Convert an HF directory into a Megatron distributed checkpoint at `out`; returns `out`.
 
@@ -176,6 +177,7 @@ def hf_to_megatron(
     a causal LM seeds a reward/value model with a fresh (zero) head and drops `lm_head`.
     dtype: None keeps the config's dtype. target_tp: also check that this TP will split the weights.
     key_prefix: prepended to every checkpoint key (e.g. "policy." to match a model saved under that name).
+    source: what to record as the origin (default `hf_dir`; the GGUF file when hf_dir was made from one).
     """
     out = Path(out)
     check_not_input(out, {"--hf-dir": Path(hf_dir)})
@@ -210,7 +212,7 @@ def hf_to_megatron(
             model_config=cfg.to_dict(),
             head=dst_head,
             dtype=cfg.params_dtype,
-            source=str(Path(hf_dir).absolute()),
+            source=source or str(Path(hf_dir).absolute()),
             hf_config=ckpt.config,
             tokenizer_files=tuple(files),
             key_prefix=key_prefix,
