@@ -23,6 +23,7 @@ from __future__ import annotations
 import argparse
 import difflib
 import importlib
+import os
 import sys
 import warnings
 from dataclasses import dataclass
@@ -124,7 +125,25 @@ def _run_config_command(name: str, cmd: Command, argv: Sequence[str]) -> int:
         result = run(cfg)
     except _user_errors() as e:
         return _error(str(e))
+    except RuntimeError as e:
+        return _lost_peer(e)
     return result if isinstance(result, int) else 0
+
+
+def _lost_peer(e: RuntimeError) -> int:
+    """A collective that failed because another rank's process is gone: that rank is the story, not this one's
+    traceback. Under `megatron-rlhf launch`, which names the rank that died, this rank exits quietly."""
+    from megatron_rlhf.parallel.report import PEER_LOST_EXIT, lost_peer, should_print_error
+
+    if not lost_peer(e):
+        raise e
+    if os.environ.get(lifetime.LAUNCHER_ENV):
+        return PEER_LOST_EXIT
+    message = (f"rank {os.environ.get('RANK', '?')} lost its connection to another rank, whose process is gone "
+               "(killed, or failed: its own output says why); a rerun resumes from the latest checkpoint")
+    if should_print_error(message):
+        print(f"error: {message}", file=sys.stderr, flush=True)
+    return PEER_LOST_EXIT
 
 
 def _quiet_known_warnings() -> None:
@@ -164,6 +183,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         return int(_resolve(cmd.target)(rest) or 0)
     except _user_errors() as e:
         return _error(str(e))
+    except RuntimeError as e:
+        return _lost_peer(e)
 
 
 if __name__ == "__main__":

@@ -13,8 +13,10 @@ a signal sent to the launcher alone is forwarded to every rank. The ranks then a
 the step, save a checkpoint and exit 0, and so does the launcher.
 
 When a rank fails, the others get `--grace` seconds to report and exit, then are killed; the
-launcher exits with the first failing rank's code (128 + signal for a signal) and prints nothing
-itself (rank 0 prints the error). The launcher is a child subreaper: helper processes a killed rank
+launcher exits with the first failing rank's code (128 + signal for a signal). A rank that fails
+prints its own error; a rank killed by a signal cannot, so the launcher prints one line naming it
+and the checkpoint a rerun resumes from (noted by the ranks at start, `lifetime.note_checkpoint_root`),
+while the ranks that lose their connection to it exit quietly (`report.PEER_LOST_EXIT`). The launcher is a child subreaper: helper processes a killed rank
 leaves behind become its children and are killed when the job ends. If the launcher itself is
 killed, each rank gets SIGTERM (parallel/lifetime.py) and saves a checkpoint.
 """
@@ -23,14 +25,17 @@ from __future__ import annotations
 
 import argparse
 import os
+import shutil
 import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 from typing import List, Optional, Sequence
 
 from megatron_rlhf.parallel import lifetime
+from megatron_rlhf.parallel.report import PEER_LOST_EXIT
 
 FORWARDED = (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT, signal.SIGHUP)
 
@@ -96,12 +101,34 @@ def _kill_leftovers() -> None:
                 return
 
 
+def _report_lost_ranks(ranks: List[subprocess.Popen], died: Optional[int], first: int, resume: Optional[str]) -> None:
+    """One line for what no rank could print: the rank killed by a signal (kill -9, the OOM killer), or, when
+    every failing rank here only lost its connection, that the rank that vanished was on another node."""
+    then = f", and {resume}" if resume else ""
+    if died is not None:
+        p = ranks[died]
+        try:
+            how = signal.Signals(-p.returncode).name
+        except ValueError:  # a real-time signal has no name
+            how = f"signal {-p.returncode}"
+        print(f"error: rank {first + died} (pid {p.pid}) was killed by {how}; the job is ended{then}",
+              file=sys.stderr, flush=True)
+        return
+    failed = [i for i, p in enumerate(ranks) if p.returncode != 0]
+    if failed and all(ranks[i].returncode == PEER_LOST_EXIT for i in failed):
+        names = ", ".join(str(first + i) for i in failed)
+        print(f"error: rank {names} lost its connection to a rank of another node, whose process is gone (that "
+              f"node's output says why); the job is ended{then}", file=sys.stderr, flush=True)
+
+
 def main(argv: Optional[Sequence[str]] = None) -> int:
     args = _parse(sys.argv[1:] if argv is None else argv)
     lifetime.prctl(lifetime.PR_SET_CHILD_SUBREAPER, 1)
     n = args.nproc_per_node
     base = dict(os.environ, MASTER_ADDR=args.master_addr, MASTER_PORT=str(args.master_port or _free_port()),
                 WORLD_SIZE=str(n * args.nnodes), LOCAL_WORLD_SIZE=str(n), **{lifetime.LAUNCHER_ENV: str(os.getpid())})
+    notes = tempfile.mkdtemp(prefix="megatron-rlhf-launch-")
+    base[lifetime.CHECKPOINT_NOTE_ENV] = os.path.join(notes, "checkpoint_root")
     cmd = [sys.executable, "-m", "megatron_rlhf.cli", *args.command]
     ranks: List[subprocess.Popen] = []
 
@@ -121,19 +148,26 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         # interpreter's start-up is kept for the first step instead of killing it (exit 138).
         ranks.append(subprocess.Popen(cmd, env=dict(base, RANK=str(rank), LOCAL_RANK=str(r)),
                                       preexec_fn=lifetime.block_stop_signals))
-    failed_at, code = None, 0
+    failed_at, code, killed, died = None, 0, set(), None
     while any(p.poll() is None for p in ranks):
-        for p in ranks:
+        for i, p in enumerate(ranks):
             rc = p.poll()
             if rc not in (None, 0) and failed_at is None:
                 failed_at, code = time.monotonic(), _exit_code(rc)
+            if rc is not None and rc < 0 and died is None and i not in killed:
+                died = i  # killed by a signal we did not send: it could not say so itself
         if failed_at is not None and time.monotonic() - failed_at > args.grace:
-            for p in ranks:
+            for i, p in enumerate(ranks):
                 if p.poll() is None:
+                    killed.add(i)
                     p.kill()
         time.sleep(0.1)
     if code == 0:
         code = next((_exit_code(p.returncode) for p in ranks if p.returncode != 0), 0)
+    if died is not None:
+        code = _exit_code(ranks[died].returncode)
+    _report_lost_ranks(ranks, died, args.node_rank * n, lifetime.resume_point_of(base[lifetime.CHECKPOINT_NOTE_ENV]))
+    shutil.rmtree(notes, ignore_errors=True)
     # Every rank has exited: nothing is left to forward to. A late stop signal (Slurm's time-limit SIGUSR1
     # while the job ends) must not kill the launcher with 138 once Python's exit restores the default handlers.
     for sig in FORWARDED:

@@ -31,6 +31,9 @@ from typing import Optional
 PR_SET_PDEATHSIG = 1
 PR_SET_CHILD_SUBREAPER = 36
 LAUNCHER_ENV = "MEGATRON_RLHF_LAUNCHER"  # set by megatron_rlhf.launch to its pid
+# Set by megatron_rlhf.launch: a file where a rank notes its checkpoint root, so that the launcher, when a rank
+# is killed, can say which checkpoint a rerun resumes from (the ranks that knew are gone by then).
+CHECKPOINT_NOTE_ENV = "MEGATRON_RLHF_CHECKPOINT_NOTE"
 _forker = None  # (pid, forked from the main thread) of the process that is forking now
 
 
@@ -53,6 +56,31 @@ def die_with_parent(sig: int, parent_pid: Optional[int] = None) -> bool:
     if os.getppid() != parent_pid:  # the parent died before prctl took effect
         os.kill(os.getpid(), sig)
     return True
+
+
+def note_checkpoint_root(root: str) -> None:
+    """Tell `megatron-rlhf launch` where this run's checkpoints go (a no-op without it; first local rank only)."""
+    path = os.environ.get(CHECKPOINT_NOTE_ENV)
+    if not path or os.environ.get("LOCAL_RANK", "0") != "0":
+        return
+    tmp = f"{path}.{os.getpid()}.tmp"
+    with open(tmp, "w") as f:
+        f.write(os.path.abspath(root) + "\n")
+    os.replace(tmp, path)
+
+
+def resume_point_of(note: str) -> Optional[str]:
+    """What a rerun resumes from, in words, after the run that wrote `note` died; None if it never wrote one."""
+    try:
+        with open(note) as f:
+            root = f.read().strip()
+    except OSError:
+        return None
+    try:
+        with open(os.path.join(root, "latest")) as f:
+            return f"a rerun resumes from {os.path.join(root, f.read().strip())}"
+    except OSError:
+        return f"no checkpoint was written yet in {root}: a rerun starts from the beginning"
 
 
 def launched_by_launcher() -> bool:

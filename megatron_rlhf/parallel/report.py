@@ -59,3 +59,14 @@ def should_print_error(message: str, wait_s: float = 3.0) -> bool:
             return True
         time.sleep(0.1)
     return True
+
+
+PEER_LOST_EXIT = 75  # a rank's exit code under megatron-rlhf launch when another rank vanished (it says which)
+_PEER_LOST = ("Connection reset by peer", "Connection closed by peer", "Broken pipe")
+
+
+def lost_peer(e: BaseException) -> bool:
+    """Whether `e` is a collective failing because another rank's process is gone (killed, crashed): gloo's
+    read/write errors on the connection to it, not a fault of this rank."""
+    return isinstance(e, RuntimeError) and any(m in str(e) for m in _PEER_LOST)
+

@@ -76,10 +76,11 @@ def start_run(cfg, check_batch: Callable[[int], Any]) -> RunContext:
     _lock_run_dirs(cfg, rank0)
     tokenizer = D.load_tokenizer(cfg.tokenizer.path)
     D.check_vocab(tokenizer, model_cfg.vocab_size)
+    ckpt_root = cfg.checkpoint.dir or f"{cfg.logging.run_dir}/checkpoints"
+    lifetime.note_checkpoint_root(ckpt_root)  # for the launcher's line when a rank is killed
     return RunContext(
         model_cfg=model_cfg, world=world, dp_size=dp_size, dp_rank=ps.get_data_parallel_rank(), rank0=rank0,
-        log=print if rank0 else None, tokenizer=tokenizer,
-        ckpt_root=cfg.checkpoint.dir or f"{cfg.logging.run_dir}/checkpoints",
+        log=print if rank0 else None, tokenizer=tokenizer, ckpt_root=ckpt_root,
         run=ckpt.RunRecord.new(stage_of(cfg), D.fingerprint(tokenizer)),
     )
 

@@ -1,7 +1,8 @@
 """Preemption whatever the launcher (issue 12): SIGUSR1 to the launcher's process group (as Slurm
 sends it) or to the ranks themselves gives a checkpoint and exit 0 under `megatron-rlhf launch`;
 under torchrun, which dies of a group SIGUSR1, the ranks still checkpoint and exit instead of
-training on as orphans; after a `kill -9` of a rank no helper process of the job stays alive."""
+training on as orphans; after a `kill -9` of a rank no helper process of the job stays alive, and
+`megatron-rlhf launch` says in one line which rank died and where a rerun resumes (no gloo traceback)."""
 
 import os
 import signal
@@ -70,7 +71,14 @@ def test_kill_9_of_a_rank_leaves_no_helper_behind(data, tmp_path, launcher):  # 
     job = _launch(data, run, tmp_path / "log", launcher=launcher)
     job.wait_for(lambda: (run / "checkpoints" / "latest").exists())  # saves have forked their writers
     assert not any("multiprocessing" in cmdline_of(c) for c in job.seen.values() if is_alive(c))
-    (job.proc if launcher == "none" else job.ranks()[-1]).kill()
+    victim = job.proc if launcher == "none" else job.ranks()[-1]
+    victim.kill()
     rc, alive = job.finish()
     assert rc != 0
     assert not alive, alive
+    if launcher == "launch":  # it knows which rank died and how: one line, and where a rerun resumes
+        latest = run / "checkpoints" / (run / "checkpoints" / "latest").read_text().strip()
+        out = job.output()
+        assert (f"error: rank 1 (pid {victim.pid}) was killed by SIGKILL; the job is ended, and a rerun resumes "
+                f"from {latest}\n") in out, out[-3000:]
+        assert "Traceback" not in out and "Connection reset" not in out, out[-3000:]
