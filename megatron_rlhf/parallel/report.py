@@ -3,7 +3,8 @@
 Bad input is usually the same on every rank (the same config, data and checkpoint), so every rank
 fails with the same message; only global rank 0 prints it. A rank that fails alone (or differently)
 must still be heard: once the process group exists, rank 0 posts its message in the job's TCP store
-and any other rank prints its own only when rank 0 has not posted the same one within a few seconds.
+and any other rank prints its own only when rank 0 has not posted the same one within 20 s (it returns at
+rank 0's post: the limit is only waited out by a rank that fails alone).
 """
 
 from __future__ import annotations
@@ -33,11 +34,13 @@ def _store():
     return None
 
 
-def should_print_error(message: str, wait_s: float = 3.0) -> bool:
+def should_print_error(message: str, wait_s: float = 20.0) -> bool:
     """True on the rank that should print `message` (rank 0, or a rank whose failure rank 0 does not share).
 
     Other ranks wait (at most `wait_s`) before returning, so that a launcher tearing the job down
-    when the first rank exits does not kill rank 0 before it has printed.
+    when the first rank exits does not kill rank 0 before it has printed. They return as soon as rank 0
+    posts; the limit is generous because on a loaded machine rank 0 can reach the same error seconds
+    later, and only a rank failing alone waits it out.
     """
     store = _store()
     if _rank() == 0:

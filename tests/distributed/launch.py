@@ -118,7 +118,7 @@ def _kill_all(psutil, proc, seen: dict) -> None:
     proc.wait()
 
 
-def sigterm_when(cmd, log: Path, ready, timeout: int = 300):
+def sigterm_when(cmd, log: Path, ready, timeout: int = 600):
     """Run `cmd` (a world of one, in a session of its own, output to `log`), send it SIGTERM once
     `ready()` holds, wait for it, then kill what is left of its session (checkpoint helpers).
 
@@ -175,7 +175,7 @@ class Job:
         except psutil.Error:
             pass
 
-    def wait_for(self, cond, timeout=300):
+    def wait_for(self, cond, timeout=600):
         deadline = time.time() + timeout
         while time.time() < deadline and self.proc.poll() is None:
             self.watch()
@@ -187,11 +187,12 @@ class Job:
     def ranks(self):
         return [c for c in psutil.Process(self.proc.pid).children() if "megatron_rlhf" in " ".join(c.cmdline())]
 
-    def finish(self, timeout=240):
-        """Wait for the launcher and then for every remembered descendant, without killing any."""
+    def finish(self, timeout=600):
+        """Wait for the launcher and then for every remembered descendant, without killing any. The limits
+        are generous (a loaded machine) and never waited out by a job that behaves: each wait ends at the event."""
         try:
             rc = self.proc.wait(timeout=timeout)
-            deadline = time.time() + 30
+            deadline = time.time() + 120
             alive = [c for c in self.seen.values() if is_alive(c)]
             while alive and time.time() < deadline:
                 time.sleep(0.5)

@@ -5,7 +5,7 @@ from tests.distributed.launch import read_json, torchrun
 
 def test_whitening_over_two_ranks_equals_concatenated_batch(tmp_path):
     out = tmp_path / "whiten.json"
-    torchrun("algo_whiten.py", out, nproc=2, timeout=120)
+    torchrun("algo_whiten.py", out, nproc=2)
     for rank, d in enumerate(read_json(out)):
         assert d["mean"] < 1e-12 and d["var"] < 1e-12, (rank, d)
         assert d["whiten"] < 1e-9, (rank, d)
@@ -17,7 +17,7 @@ def test_whitening_over_two_ranks_equals_concatenated_batch(tmp_path):
 
 def test_logprobs_and_entropy_tp2_equal_tp1(tmp_path):
     out = tmp_path / "logprobs.json"
-    torchrun("algo_logprobs_tp.py", out, nproc=2, timeout=180)
+    torchrun("algo_logprobs_tp.py", out, nproc=2)
     for rank, d in enumerate(read_json(out)):
         for case, diffs in d.items():
             for name, value in diffs.items():

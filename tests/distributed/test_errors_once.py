@@ -27,7 +27,7 @@ def test_layout_error_is_printed_once(data, tmp_path):  # noqa: F811
 def test_under_megatron_rlhf_launch_an_error_is_the_only_output(data, tmp_path):  # noqa: F811
     args = overrides(data, tmp_path / "run", **{"parallel.tp": 3})
     proc = run_reaped([sys.executable, str(CLI), "launch", "--nproc-per-node", "2", "sft", *args],
-                      env=child_env(), timeout=300)
+                      env=child_env(), timeout=600)
     assert proc.returncode == 2
     assert proc.stderr.strip().splitlines() == [
         "error: world size 2 is not divisible by tp*pp*cp = 3*1*1 = 3: change parallel.tp/pp/cp or the number of ranks"]

@@ -38,7 +38,7 @@ def _launch(base, run, tmp_path, timeout=600, **extra):
 
 
 def test_a_scorer_blocked_on_one_rank_ends_the_job_naming_the_rank(base, tmp_path):
-    proc, errors = _launch(base, tmp_path / "run", tmp_path, timeout=300, **{
+    proc, errors = _launch(base, tmp_path / "run", tmp_path, **{
         "ppo.gold_scorer": "faulty_scorer:blocks_on_rank_1", "parallel.timeout_s": 15})
     assert proc.returncode == 124, (proc.returncode, proc.stderr[-3000:])
     assert len(errors) == 1 and errors[0].startswith("error: rank 1 made no progress for "), proc.stderr[-3000:]

@@ -34,7 +34,7 @@ def policy(tmp_path_factory):
         "train.train_steps": 4, "train.seed": 3, "logging.run_dir": d / "sft", "logging.progress_bar": "false",
         "checkpoint.save_interval": 0,
     }
-    torchrun(CLI, "sft", *[f"{k}={v}" for k, v in sft.items()], nproc=1, timeout=300)
+    torchrun(CLI, "sft", *[f"{k}={v}" for k, v in sft.items()], nproc=1)
     return d
 
 
@@ -42,7 +42,7 @@ def _pairs(d, out, seed=5):
     return torchrun(
         CLI, "tiny-pairs", "--policy", d / "sft" / "checkpoints", "--prompts", d / "prompts.jsonl",
         "--tokenizer", d / "tokenizer", "--num-pairs", NUM_PAIRS, "--out", out, "--seed", seed,
-        "--batch-size", 8, "--max-new-tokens", MAX_NEW, nproc=2, timeout=300,
+        "--batch-size", 8, "--max-new-tokens", MAX_NEW, nproc=2,
     )
 
 

@@ -80,7 +80,7 @@ def test_sigterm_saves_and_exits_zero_then_resumes(data, tmp_path):
     args = overrides(data, run, **{"train.train_steps": 100000, "checkpoint.save_interval": 0})
     # A world of one without torchrun, as `srun` would start one task; SIGTERM goes to the trainer itself.
     ready = lambda: (run / "metrics.jsonl").exists() and len(losses(run)) >= 3  # noqa: E731
-    rc, out = sigterm_when([sys.executable, str(CLI), "sft", *args], tmp_path / "preempted.log", ready, timeout=240)
+    rc, out = sigterm_when([sys.executable, str(CLI), "sft", *args], tmp_path / "preempted.log", ready)
     assert rc == 0, out[-3000:]
     stopped_at = max(losses(run))
     assert (run / "checkpoints" / "latest").read_text().strip() == f"step_{stopped_at:08d}"
@@ -88,7 +88,7 @@ def test_sigterm_saves_and_exits_zero_then_resumes(data, tmp_path):
 
     env = child_env({"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port())})
     resumed = run_reaped([sys.executable, str(CLI), "sft", *args, f"train.train_steps={stopped_at + 2}"],
-                         env=env, timeout=300)
+                         env=env, timeout=600)
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert f"at step {stopped_at}" in resumed.stdout
     assert max(losses(run)) == stopped_at + 2
@@ -103,7 +103,7 @@ def test_pipeline_from_hf_checkpoint_with_rm_calibration(data, tmp_path):
                                  num_key_value_heads=2, vocab_size=17, max_position_embeddings=32)).save_pretrained(hf_dir)
     env = child_env()
     conv = run_reaped([sys.executable, str(CLI), "convert", "hf-to-megatron", "--hf-dir", str(hf_dir),
-                       "--out", str(mcore)], env=env, timeout=300)
+                       "--out", str(mcore)], env=env, timeout=600)
     assert conv.returncode == 0, conv.stderr[-3000:]
 
     sft_run, rm_run = tmp_path / "sft", tmp_path / "rm"

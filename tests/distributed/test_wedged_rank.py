@@ -38,13 +38,13 @@ def _wait(procs, timeout):
 def _run(tmp_path, limit_s, signals=()):
     procs, logs, ready = _job(tmp_path, limit_s)
     try:
-        assert _wait_for(ready, procs, 300), [log.read_text()[-2000:] for log in logs]
+        assert _wait_for(ready, procs, 600), [log.read_text()[-2000:] for log in logs]
         wedged_at = time.monotonic()
         for i, sig in enumerate(signals):
             if i:
                 time.sleep(REPEAT_S + 0.5)  # a second press, not the first one's echo
             os.killpg(procs[0].pid, sig)
-        codes = _wait(procs, limit_s + 120)
+        codes = _wait(procs, limit_s + 300)
         return codes, time.monotonic() - wedged_at, [log.read_text() for log in logs]
     finally:
         try:
@@ -65,7 +65,7 @@ def _wait_for(cond, procs, timeout):
 def test_a_wedged_rank_ends_the_job_naming_it(tmp_path):
     codes, took, outs = _run(tmp_path, LIMIT_S)
     assert codes == [124, 124], (codes, outs)
-    assert LIMIT_S <= took < LIMIT_S + 30, took
+    assert LIMIT_S <= took < LIMIT_S + 90, took  # bounded; the margin is for a loaded machine
     errors = [line for out in outs for line in out.splitlines() if line.startswith("error:")]
     assert len(errors) == 1, outs
     assert errors[0].startswith("error: rank 1 made no progress for "), errors
@@ -75,7 +75,7 @@ def test_a_wedged_rank_ends_the_job_naming_it(tmp_path):
 
 def test_sigterm_ends_a_wedged_job_before_the_limit(tmp_path):
     codes, took, outs = _run(tmp_path, 200, signals=[signal.SIGTERM])
-    assert codes == [124, 124] and took < 60, (codes, took, outs)
+    assert codes == [124, 124] and took < 100, (codes, took, outs)  # a tenth of the limit (20 s), not all of it
     errors = [line for out in outs for line in out.splitlines() if line.startswith("error:")]
     assert len(errors) == 1 and "rank 1 made no progress" in errors[0], outs
     assert "a stop was requested and could not be honoured" in errors[0], errors
@@ -83,6 +83,7 @@ def test_sigterm_ends_a_wedged_job_before_the_limit(tmp_path):
 
 def test_a_second_ctrl_c_exits_a_wedged_job_at_once(tmp_path):
     codes, took, outs = _run(tmp_path, 200, signals=[signal.SIGINT, signal.SIGINT])
-    assert codes == [130, 130] and took < 30, (codes, took, outs)
+    # 130, not the 124 a single stop request gives after 20 s: the second press ended it at once
+    assert codes == [130, 130] and took < 60, (codes, took, outs)
     assert outs[0].strip() == "error: a second Ctrl-C: exiting without a checkpoint (a rerun resumes from the last one)"
     assert outs[1].strip() == "", outs
