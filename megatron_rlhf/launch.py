@@ -116,9 +116,10 @@ def _report_lost_ranks(ranks: List[subprocess.Popen], died: Optional[int], first
         return
     failed = [i for i, p in enumerate(ranks) if p.returncode != 0]
     if failed and all(ranks[i].returncode == PEER_LOST_EXIT for i in failed):
-        names = ", ".join(str(first + i) for i in failed)
-        print(f"error: rank {names} lost its connection to a rank of another node, whose process is gone (that "
-              f"node's output says why); the job is ended{then}", file=sys.stderr, flush=True)
+        who = (f"rank {first + failed[0]} lost its" if len(failed) == 1
+               else f"ranks {', '.join(str(first + i) for i in failed)} lost their")
+        print(f"error: {who} connection to a rank of another node, whose process is gone (that node's output says "
+              f"why); the job is ended{then}", file=sys.stderr, flush=True)
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
