@@ -81,15 +81,17 @@ def validate_layout(
             f"world size {world_size} is not divisible by tp*pp*cp = {p.tp}*{p.pp}*{p.cp} = "
             f"{model_parallel}: change parallel.tp/pp/cp or the number of ranks"
         )
+    heads = [n for n in (num_attention_heads, num_query_groups) if n is not None]
+    usable = ", ".join(str(d) for d in range(1, min(heads, default=1) + 1) if all(n % d == 0 for n in heads))
     if num_attention_heads is not None and num_attention_heads % p.tp != 0:
         raise LayoutError(
             f"model.num_attention_heads={num_attention_heads} is not divisible by parallel.tp={p.tp}: "
-            f"pick a tp that divides {num_attention_heads}"
+            f"use a tp of {usable} (it must divide the attention heads and the key/value heads)"
         )
     if num_query_groups is not None and num_query_groups % p.tp != 0:
         raise LayoutError(
             f"model.num_query_groups (key/value heads)={num_query_groups} is not divisible by "
-            f"parallel.tp={p.tp}: pick a tp that divides {num_query_groups}"
+            f"parallel.tp={p.tp}: use a tp of {usable} (it must divide the attention heads and the key/value heads)"
         )
     if p.vpp is not None:
         if p.vpp < 1:

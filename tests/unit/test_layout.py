@@ -22,6 +22,9 @@ def check(parallel, world=8, **kw):
         (ParallelConfig(tp=2, pp=2, cp=4), 8, {}, "world size 8 is not divisible by tp*pp*cp = 2*2*4 = 16"),
         (ParallelConfig(tp=4), 8, {"num_attention_heads": 6}, "model.num_attention_heads=6 is not divisible by parallel.tp=4"),
         (ParallelConfig(tp=8), 8, {"num_query_groups": 4}, "model.num_query_groups (key/value heads)=4 is not divisible by parallel.tp=8"),
+        # SmolLM2-135M: 9 attention heads, 3 key/value heads
+        (ParallelConfig(tp=2), 2, {"num_attention_heads": 9, "num_query_groups": 3},
+         "model.num_attention_heads=9 is not divisible by parallel.tp=2: use a tp of 1, 3 (it must divide"),
         (ParallelConfig(pp=4), 8, {"num_layers": 6}, "model.num_layers=6 is not divisible by pp=4"),
         (ParallelConfig(pp=2, vpp=3), 8, {"num_layers": 8}, "model.num_layers=8 is not divisible by pp*vpp = 2*3 = 6"),
         (ParallelConfig(vpp=2), 8, {}, "parallel.vpp=2 needs parallel.pp > 1"),
