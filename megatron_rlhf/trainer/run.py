@@ -77,7 +77,8 @@ def start_run(cfg, check_batch: Callable[[int], Any]) -> RunContext:
     tokenizer = D.load_tokenizer(cfg.tokenizer.path)
     D.check_vocab(tokenizer, model_cfg.vocab_size)
     ckpt_root = cfg.checkpoint.dir or f"{cfg.logging.run_dir}/checkpoints"
-    lifetime.note_checkpoint_root(ckpt_root)  # for the launcher's line when a rank is killed
+    # Where a rerun resumes from (as resume_point reads it), for the launcher's line when a rank is killed.
+    lifetime.note_checkpoint_root(cfg.checkpoint.load or ckpt_root)
     return RunContext(
         model_cfg=model_cfg, world=world, dp_size=dp_size, dp_rank=ps.get_data_parallel_rank(), rank0=rank0,
         log=print if rank0 else None, tokenizer=tokenizer, ckpt_root=ckpt_root,
