@@ -110,7 +110,7 @@ down() {
   [ -d "$DIR/pids" ] || { echo "no cluster in $DIR"; return 0; }
   if [ -s "$DIR/pids/slurmctld" ] && kill -0 "$(cat "$DIR/pids/slurmctld")" 2>/dev/null; then
     # Jobs first: a job's processes belong to slurmstepd, which outlives its slurmd.
-    scancel --full --quiet --state=RUNNING,PENDING,SUSPENDED 2>/dev/null || true
+    scancel --quiet --user=root 2>/dev/null || true
     local deadline=$((SECONDS + 60))
     while [ -n "$(squeue -h -o %i 2>/dev/null)" ] && [ $SECONDS -lt $deadline ]; do sleep 0.2; done
   fi
@@ -126,7 +126,24 @@ down() {
     while kill -0 "$pid" 2>/dev/null && [ $SECONDS -lt $deadline ]; do sleep 0.1; done
     kill -KILL "$pid" 2>/dev/null || true
   done
+  # A job that would not end outlives its slurmd in slurmstepd: kill those of this cluster with their tasks.
+  for pid in $(leftover_steps); do
+    kill -KILL $(descendants "$pid") "$pid" 2>/dev/null || true
+  done
   echo "local cluster in $DIR stopped"
+}
+
+leftover_steps() {  # slurmstepd processes started by this cluster's slurmd (their environment names $CONF)
+  local p
+  for p in $(pgrep -f '^slurmstepd' 2>/dev/null); do
+    tr '\0' '\n' <"/proc/$p/environ" 2>/dev/null | grep -qx "SLURM_CONF=$CONF" && echo "$p"
+  done
+  return 0
+}
+
+descendants() {  # every process below PID $1
+  local c
+  for c in $(pgrep -P "$1" 2>/dev/null); do descendants "$c"; echo "$c"; done
 }
 
 case "${1:-}" in

@@ -148,7 +148,7 @@ class Cluster:
 
     def cancel_all(self, timeout: float = 90):
         """End every job of the cluster (a test that failed must not leave one running into the next)."""
-        self.run("scancel", "--full", "--state=RUNNING,PENDING,SUSPENDED,REQUEUED", "-u", "root", check=False)
+        self.run("scancel", "--user=root", check=False)
         wait_for(lambda: not self.run("squeue", "-h", "-o", "%i").stdout.strip() or None, timeout,
                  "every job to leave the queue")
 

@@ -3,7 +3,9 @@ with `megatron-rlhf launch --nproc-per-node 2` (the reference), and the per-step
 
 from __future__ import annotations
 
+import json
 import os
+import random
 import sys
 from pathlib import Path
 
@@ -33,9 +35,6 @@ def ppo_config(data, sft_ckpt: Path, rm_ckpt: Path, tmp: Path, name: str, **extr
     """YAML of a 2-iteration PPO run from the tiny SFT policy and RM (8 rollouts, 6 new tokens)."""
     prompts = data / "prompts.jsonl"
     if not prompts.exists():
-        import json
-        import random
-
         rows = sort_digits.prompts(64, random.Random(1))
         prompts.write_text("".join(json.dumps(r) + "\n" for r in rows))
     values = {
