@@ -54,7 +54,10 @@ up() {
   for port in "$CTLD_PORT" $(seq "$NODE_PORT" "$last"); do
     ! (exec 3<>"/dev/tcp/127.0.0.1/$port") 2>/dev/null || die "port $port is in use: set SLURMCTLD_PORT / SLURMD_PORT"
   done
-  rm -rf "$DIR"
+  if [ -e "$DIR" ] && [ -n "$(ls -A "$DIR")" ] && ! grep -qs '^# Written by slurm/local_cluster.sh' "$CONF"; then
+    die "$DIR is not empty and holds no cluster of ours: set CLUSTER_DIR to a new directory"
+  fi
+  rm -rf "$DIR"  # an earlier cluster's state: every up starts clean
   mkdir -p "$DIR"/{munge,state,log,pids,run}
   chmod 755 "$DIR" "$DIR/munge"  # munged refuses a socket directory others can write to
   for i in $(seq 1 "$n"); do mkdir -p "$DIR/spool/n$i"; done  # SlurmdSpoolDir=%n must exist first
