@@ -1,7 +1,9 @@
 """The real pretrained SmolLM2-135M-Instruct (GGUF from the registry, tests/real_model.py) on 2 gloo ranks:
 converted with `--gguf`, its Megatron logits on chat-rendered prompts equal transformers' within 1e-4 (fp32)
 at TP=1 x DP=2 and at PP=2, loaded from the converted checkpoint and straight from the HF tensors, and
-its weights stream back out bit for bit (scripts/convert_parity.py, the same checks as the tiny models)."""
+its weights stream back out bit for bit (scripts/convert_parity.py, the same checks as the tiny models);
+the Megatron sampler's greedy continuation equals transformers' `generate` for 32 tokens on 4
+left-padded chat prompts (scripts/real_model_greedy.py)."""
 
 from __future__ import annotations
 
@@ -17,6 +19,12 @@ QUESTIONS = ("Sort these digits in ascending order: 7 3 9 1", "What is the capit
              "Write one sentence about the sea.", "List three prime numbers.")
 
 
+def _chat_ids(tok, question):
+    """The token ids of one user turn rendered with the model's chat template and the generation prompt."""
+    out = tok.apply_chat_template([{"role": "user", "content": question}], add_generation_prompt=True, tokenize=True)
+    return list(out["input_ids"] if hasattr(out, "keys") else out)
+
+
 @pytest.fixture(scope="module")
 def work(tmp_path_factory, smollm2_gguf):
     """smollm2.mg (converted from the GGUF), smollm2/ (its HF export) and smollm2.ref.pt (transformers' logits)."""
@@ -26,9 +34,7 @@ def work(tmp_path_factory, smollm2_gguf):
     assert hf_to_megatron_main(["--gguf", str(smollm2_gguf), "--out", str(w / "smollm2.mg"), "--quiet"]) == 0
     megatron_to_hf(w / "smollm2.mg", w / "smollm2")
     tok = AutoTokenizer.from_pretrained(w / "smollm2.mg" / TOKENIZER_DIR)
-    rows = [tok.apply_chat_template([{"role": "user", "content": q}], add_generation_prompt=True, tokenize=True)
-            for q in QUESTIONS]
-    rows = [r["input_ids"] if isinstance(r, dict) or hasattr(r, "keys") else r for r in rows]
+    rows = [_chat_ids(tok, q) for q in QUESTIONS]
     width = min(len(r) for r in rows)  # same length, no padding: every position is a real token
     tokens = torch.tensor([r[:width] for r in rows])
     with torch.no_grad():
@@ -45,3 +51,33 @@ def test_real_model_logits_match_transformers(work, layout):
     assert r["ckpt_max_diff"] <= TOL, r
     assert r["hf_direct_max_diff"] <= TOL, r
     assert r["stream_names_equal"] and r["stream_shapes_equal"] and r["stream_mismatched"] == [], r
+
+
+def test_real_model_greedy_continuation_matches_generate(work):
+    from transformers import AutoTokenizer, LlamaForCausalLM
+
+    tok = AutoTokenizer.from_pretrained(work / "smollm2.mg" / TOKENIZER_DIR)
+    rows = [_chat_ids(tok, q) for q in QUESTIONS]
+    width = max(len(r) for r in rows)
+    ids = torch.full((len(rows), width), tok.pad_token_id, dtype=torch.long)
+    mask = torch.zeros(len(rows), width, dtype=torch.bool)
+    for i, r in enumerate(rows):  # left padding, rows of different lengths
+        ids[i, width - len(r):] = torch.tensor(r)
+        mask[i, width - len(r):] = True
+    new = 32
+    torch.save({"ids": ids, "mask": mask, "eos": tok.eos_token_id, "pad": tok.pad_token_id, "new": new},
+               work / "greedy_prompts.pt")
+    torchrun("real_model_greedy.py", str(work / "smollm2.mg"), str(work / "greedy_prompts.pt"),
+             str(work / "greedy.json"), nproc=2)
+    ours = read_json(work / "greedy.json")["tokens"]
+    model = LlamaForCausalLM.from_pretrained(work / "smollm2", dtype=torch.float32)
+    with torch.no_grad():
+        out = model.generate(input_ids=ids, attention_mask=mask.long(), max_new_tokens=new, do_sample=False,
+                             eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id)[:, width:]
+    theirs = []
+    for row in out.tolist():  # up to and including the first EOS, as the sampler reports it
+        theirs.append(row[: row.index(tok.eos_token_id) + 1] if tok.eos_token_id in row else row)
+    assert [len(r) for r in ours] == [len(r) for r in theirs]
+    assert ours == theirs
+    lengths = sorted(len(r) for r in ours)
+    assert lengths[0] >= 4 and lengths[-1] == new, lengths  # real answers, one still going at 32 tokens
