@@ -3,7 +3,8 @@ converted with `--gguf`, its Megatron logits on chat-rendered prompts equal tran
 at TP=1 x DP=2 and at PP=2, loaded from the converted checkpoint and straight from the HF tensors, and
 its weights stream back out bit for bit (scripts/convert_parity.py, the same checks as the tiny models);
 the Megatron sampler's greedy continuation equals transformers' `generate` for 32 tokens on 4
-left-padded chat prompts (scripts/real_model_greedy.py)."""
+left-padded chat prompts (scripts/real_model_greedy.py); two PPO iterations on it (chat prompts, its
+tokenizer and EOS) stop after the first, resume, and export an HF policy that transformers loads and chats with."""
 
 from __future__ import annotations
 
@@ -12,7 +13,8 @@ import torch
 
 from megatron_rlhf.checkpoint.convert_cli import hf_to_megatron_main
 from megatron_rlhf.checkpoint.hf import TOKENIZER_DIR, megatron_to_hf
-from tests.distributed.launch import read_json, torchrun
+from megatron_rlhf.trainer.metrics import read_jsonl
+from tests.distributed.launch import CLI, read_json, torchrun
 
 TOL = 1e-4
 QUESTIONS = ("Sort these digits in ascending order: 7 3 9 1", "What is the capital of France?",
@@ -81,3 +83,38 @@ def test_real_model_greedy_continuation_matches_generate(work):
     assert ours == theirs
     lengths = sorted(len(r) for r in ours)
     assert lengths[0] >= 4 and lengths[-1] == new, lengths  # real answers, one still going at 32 tokens
+
+
+def test_two_ppo_iterations_on_the_real_model_resume_and_export(work, tmp_path):
+    import json
+
+    from transformers import AutoTokenizer, LlamaForCausalLM
+
+    assert hf_to_megatron_main(["--hf-dir", str(work / "smollm2"), "--out", str(tmp_path / "rm.mg"), "--head",
+                                "scalar", "--quiet"]) == 0  # a reward model seeded from the policy (zero head)
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text("".join(json.dumps({"messages": [{"role": "user", "content": f"Sort these digits: {i} 3 1"}]})
+                               + "\n" for i in range(16)))
+    run = tmp_path / "ppo"
+    args = ["ppo", f"model.load={work / 'smollm2.mg'}", f"tokenizer.path={work / 'smollm2.mg' / TOKENIZER_DIR}",
+            f"data.train_path={prompts}", "data.max_seq_len=64", "data.max_prompt_len=48", "train.lr=1e-6",
+            "train.lr_schedule=constant", "train.micro_batch_size=2", f"ppo.reward_load={tmp_path / 'rm.mg'}",
+            "ppo.normalize_reward=false", "ppo.iterations=2", "ppo.rollout_batch_size=4", "ppo.minibatch_size=4",
+            "ppo.epochs=1", "ppo.max_new_tokens=8", "ppo.eval_interval=0", "checkpoint.save_interval=1",
+            f"logging.run_dir={run}", "logging.progress_bar=false"]
+    torchrun(CLI, *args, "train.exit_at_step=1", nproc=2, timeout=900)
+    assert not (run / "hf_policy").exists() and (run / "checkpoints" / "latest").read_text().strip().endswith("1")
+    resumed = torchrun(CLI, *args, nproc=2, timeout=900)
+    assert "resumed from" in resumed.stdout + resumed.stderr
+    steps = {r["step"]: r for r in read_jsonl(run / "metrics.jsonl") if "ppo/kl_per_seq" in r}
+    assert sorted(steps) == [1, 2]
+    assert steps[1]["ppo/kl_per_seq"] == 0.0 and steps[1]["ppo/ratio_first_minibatch"] == 1.0  # policy == reference
+    assert abs(steps[1]["ppo/rho_mean"] - 1) < 1e-3  # the sampler and the trainer agree on the real model
+
+    tok = AutoTokenizer.from_pretrained(run / "hf_policy")
+    model = LlamaForCausalLM.from_pretrained(run / "hf_policy", dtype=torch.float32)
+    ids = tok.apply_chat_template([{"role": "user", "content": QUESTIONS[1]}], add_generation_prompt=True,
+                                  return_tensors="pt", return_dict=True)
+    out = model.generate(**ids, max_new_tokens=16, do_sample=False, eos_token_id=tok.eos_token_id)
+    answer = tok.decode(out[0, ids["input_ids"].shape[1]:], skip_special_tokens=True)
+    assert tok.eos_token == "<|im_end|>" and len(answer.split()) >= 3, answer
