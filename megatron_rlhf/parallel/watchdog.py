@@ -158,7 +158,7 @@ class Watchdog:
         return min(self.limit_s, max(10.0, self.limit_s / 10))
 
     def _run(self) -> None:
-        last, last_lasti, stalled, posted = None, None, 0.0, 0.0
+        last, last_lasti, stalled, posted, store_gone = None, None, 0.0, 0.0, False
         import torch.distributed as dist
 
         while not self._closed.wait(self.interval_s):
@@ -176,6 +176,10 @@ class Watchdog:
             collective = _in_collective(frame)
             now = time.monotonic()
             try:
+                if store_gone:  # nobody to tell: a main thread that still makes no progress ends its process
+                    if collective and stalled >= self.limit():
+                        self._exit(acknowledge=False)
+                    continue
                 if self.store.check([_VERDICT]):
                     self._exit()  # another rank declared the job wedged
                 if now - posted >= self.post_every_s:
@@ -183,10 +187,10 @@ class Watchdog:
                     posted = now
                 if collective and stalled >= self.limit():
                     self._declare(collective, frame, stalled)
-            except Exception:  # noqa: BLE001 - the store's host (rank 0) is gone: the job is over
-                if dist.is_initialized():
-                    self._exit(acknowledge=False)
-                return
+            except Exception:  # noqa: BLE001 - the store's host is gone (rank 0, or torchrun's agent when it died)
+                # A rank that still makes progress carries on: under torchrun the store dies with the agent,
+                # and the ranks' parent-death SIGTERM must still end in a checkpoint, not in an exit here.
+                store_gone = True
             finally:
                 del frame
 

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from megatron_rlhf.checkpoint.convert_cli import hf_to_megatron_main
-from megatron_rlhf.checkpoint.hf import TOKENIZER_DIR, megatron_to_hf
+from megatron_rlhf.checkpoint.hf import TOKENIZER_DIR
 from megatron_rlhf.trainer.metrics import read_jsonl
 from tests.distributed.launch import CLI, read_json, torchrun
 
@@ -28,13 +28,12 @@ def _chat_ids(tok, question):
 
 
 @pytest.fixture(scope="module")
-def work(tmp_path_factory, smollm2_gguf):
-    """smollm2.mg (converted from the GGUF), smollm2/ (its HF export) and smollm2.ref.pt (transformers' logits)."""
+def work(smollm2):
+    """smollm2.mg (converted from the GGUF) and smollm2/ (its HF export), from the session fixture, plus
+    smollm2.ref.pt: transformers' logits on chat-rendered prompts, as scripts/convert_parity.py reads them."""
     from transformers import AutoTokenizer, LlamaForCausalLM
 
-    w = tmp_path_factory.mktemp("real_model")
-    assert hf_to_megatron_main(["--gguf", str(smollm2_gguf), "--out", str(w / "smollm2.mg"), "--quiet"]) == 0
-    megatron_to_hf(w / "smollm2.mg", w / "smollm2")
+    w = smollm2["dir"]
     tok = AutoTokenizer.from_pretrained(w / "smollm2.mg" / TOKENIZER_DIR)
     rows = [_chat_ids(tok, q) for q in QUESTIONS]
     width = min(len(r) for r in rows)  # same length, no padding: every position is a real token

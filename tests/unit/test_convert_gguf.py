@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from megatron_rlhf.checkpoint import convert_cli
-from megatron_rlhf.checkpoint.hf import META_FILE, TOKENIZER_DIR, megatron_to_hf
+from megatron_rlhf.checkpoint.hf import META_FILE, TOKENIZER_DIR
 
 
 def _error(capsys, argv):
@@ -17,18 +17,18 @@ def _error(capsys, argv):
     return err
 
 
-def test_gguf_converts_with_its_tokenizer_and_round_trips(smollm2_gguf, tmp_path):
+def test_gguf_converts_with_its_tokenizer_and_round_trips(smollm2):
+    """`smollm2` (tests/conftest.py) ran `--gguf` through the command line and exported the result back to HF."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    out, back = tmp_path / "mcore", tmp_path / "hf"
-    assert convert_cli.hf_to_megatron_main(["--gguf", str(smollm2_gguf), "--out", str(out), "--quiet"]) == 0
+    out, gguf_file = smollm2["megatron"], smollm2["gguf"]
     meta = json.loads((out / META_FILE).read_text())
     cfg = meta["model_config"]
     assert (cfg["hidden_size"], cfg["num_layers"], cfg["num_attention_heads"], cfg["num_query_groups"],
             cfg["ffn_hidden_size"], cfg["vocab_size"]) == (576, 30, 9, 3, 1536, 49152)
     assert cfg["tie_embeddings"] and cfg["rotary_base"] == 100000.0 and meta["dtype"] == "float32"
-    assert meta["source"] == str(smollm2_gguf.absolute())
-    assert not list(tmp_path.glob(".gguf-*"))  # the dequantised HF copy is gone
+    assert meta["source"] == str(gguf_file.absolute())
+    assert not list(smollm2["dir"].glob(".gguf-*"))  # the dequantised HF copy is gone
 
     tok = AutoTokenizer.from_pretrained(out / TOKENIZER_DIR)
     assert tok.eos_token == "<|im_end|>" and tok.chat_template
@@ -36,9 +36,8 @@ def test_gguf_converts_with_its_tokenizer_and_round_trips(smollm2_gguf, tmp_path
                                        add_generation_prompt=True)
     assert rendered.endswith("<|im_start|>assistant\n")
 
-    megatron_to_hf(out, back)
-    ours = AutoModelForCausalLM.from_pretrained(back, dtype=torch.float32).state_dict()
-    reference = AutoModelForCausalLM.from_pretrained(smollm2_gguf.parent, gguf_file=smollm2_gguf.name,
+    ours = AutoModelForCausalLM.from_pretrained(smollm2["hf"], dtype=torch.float32).state_dict()
+    reference = AutoModelForCausalLM.from_pretrained(gguf_file.parent, gguf_file=gguf_file.name,
                                                      dtype=torch.float32).state_dict()
     assert set(ours) == set(reference)
     assert all(torch.equal(ours[k], reference[k]) for k in reference)
