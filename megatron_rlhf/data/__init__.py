@@ -1,7 +1,8 @@
 """Data: local files read through `datasets` -> tokenised examples -> each rank's padded batches.
 
 - `dataset`: prompt, SFT and preference rows (chat messages through the tokenizer's template), bad-row
-  accounting, the tokenizer checks.
+  accounting.
+- `tokenizer`: loading the run's tokenizer, its checks against the model, its fingerprint; `DataError`.
 - `sampler`: which examples each data-parallel rank takes at each step (sharded, resumable).
 - `collate`: examples -> padded tensors and micro-batches.
 """

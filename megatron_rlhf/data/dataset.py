@@ -32,9 +32,7 @@ from typing import Any, Callable, Dict, List, Optional, Sequence
 import numpy as np
 
 from megatron_rlhf.config.schema import DataConfig
-from megatron_rlhf.data.tokenizer import (  # noqa: F401 - the stages reach them as dataset.load_tokenizer etc.
-    DataError, check_vocab, fingerprint, load_tokenizer, require_eos,
-)
+from megatron_rlhf.data.tokenizer import DataError
 
 KINDS = ("sft", "preference", "prompt")
 FORMATS = ("jsonl", "json", "parquet", "arrow")

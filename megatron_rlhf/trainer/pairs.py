@@ -145,6 +145,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
 
     from megatron_rlhf.config import schema as C
     from megatron_rlhf.data import dataset as D
+    from megatron_rlhf.data import tokenizer as T
     from megatron_rlhf.checkpoint import state as ckpt
     from megatron_rlhf.models.build import build_model
     from megatron_rlhf.parallel import init
@@ -163,14 +164,14 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     try:
         rank0 = torch.distributed.get_rank() == 0
         dp_rank, dp_size = ps.get_data_parallel_rank(), ps.get_data_parallel_world_size()
-        tokenizer = D.load_tokenizer(args.tokenizer)
-        D.check_vocab(tokenizer, model_cfg.vocab_size)
+        tokenizer = T.load_tokenizer(args.tokenizer)
+        T.check_vocab(tokenizer, model_cfg.vocab_size)
         # Prompts longer than the model can continue by max_new_tokens are dropped (the load report says so).
         data_cfg = C.DataConfig(train_path=args.prompts, overlong="drop",
                                 max_seq_len=model_cfg.max_position_embeddings - args.max_new_tokens + 1)
         prompts, _ = D.load_examples("prompt", data_cfg, tokenizer, log=print if rank0 else None)
         policy = build_model(model_cfg, parallel, head="lm")
-        ckpt.load_model_weights(args.policy, policy, "policy", "lm", key="--policy", tokenizer=D.fingerprint(tokenizer))
+        ckpt.load_model_weights(args.policy, policy, "policy", "lm", key="--policy", tokenizer=T.fingerprint(tokenizer))
 
         # Same seed on the TP ranks of one data-parallel rank (they must decode the same tokens),
         # different seeds across data-parallel ranks (disjoint prompts, independent samples).

@@ -22,7 +22,7 @@ import torch
 
 from megatron_rlhf.config import schema as C
 from megatron_rlhf.config import io as config_io
-from megatron_rlhf.data import dataset as D
+from megatron_rlhf.data import tokenizer as T
 from megatron_rlhf.checkpoint import run_dir
 from megatron_rlhf.checkpoint import state as ckpt
 from megatron_rlhf.models.build import build_model
@@ -74,22 +74,22 @@ def start_run(cfg, check_batch: Callable[[int], Any]) -> RunContext:
 
     rank0 = torch.distributed.get_rank() == 0
     _lock_run_dirs(cfg, rank0)
-    tokenizer = D.load_tokenizer(cfg.tokenizer.path)
-    D.check_vocab(tokenizer, model_cfg.vocab_size)
+    tokenizer = T.load_tokenizer(cfg.tokenizer.path)
+    T.check_vocab(tokenizer, model_cfg.vocab_size)
     ckpt_root = cfg.checkpoint.dir or f"{cfg.logging.run_dir}/checkpoints"
     # Where a rerun resumes from (as resume_point reads it), for the launcher's line when a rank is killed.
     lifetime.note_checkpoint_root(cfg.checkpoint.load or ckpt_root)
     return RunContext(
         model_cfg=model_cfg, world=world, dp_size=dp_size, dp_rank=ps.get_data_parallel_rank(), rank0=rank0,
         log=print if rank0 else None, tokenizer=tokenizer, ckpt_root=ckpt_root,
-        run=ckpt.RunRecord.new(stage_of(cfg), D.fingerprint(tokenizer)),
+        run=ckpt.RunRecord.new(stage_of(cfg), T.fingerprint(tokenizer)),
     )
 
 
 def expected_tokenizer(cfg, tokenizer) -> Optional[dict]:
     """The tokenizer fingerprint every checkpoint this run loads must match (`ckpt.check_tokenizer`);
     None (no check) with tokenizer.allow_swap=true."""
-    return None if cfg.tokenizer.allow_swap else D.fingerprint(tokenizer)
+    return None if cfg.tokenizer.allow_swap else T.fingerprint(tokenizer)
 
 
 def stage_of(cfg) -> str:

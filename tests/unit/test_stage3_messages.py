@@ -96,10 +96,11 @@ def test_a_reward_model_of_another_size_is_refused_in_the_config_check(tmp_path)
 def test_dpo_pairs_that_differ_only_in_whitespace_are_bad_rows(tmp_path):
     """Item 10: such a pair tokenises identically (loss ln 2, nothing to learn); compared by token ids."""
     from megatron_rlhf.data import dataset as D
+    from megatron_rlhf.data import tokenizer as T
     from megatron_rlhf.tasks import sort_digits
 
     sort_digits.save_tokenizer(str(tmp_path / "tok"))
-    tok = D.load_tokenizer(str(tmp_path / "tok"))
+    tok = T.load_tokenizer(str(tmp_path / "tok"))
     rows = [{"prompt": "sort 2 1 =", "chosen": "1 2", "rejected": "2 1"},
             {"prompt": "sort 2 1 =", "chosen": "1 2", "rejected": " 1  2 "}]
     (tmp_path / "p.jsonl").write_text("".join(__import__("json").dumps(r) + "\n" for r in rows))

@@ -14,6 +14,7 @@ import pytest
 from megatron_rlhf.checkpoint import state as ckpt
 from megatron_rlhf.config import schema as C
 from megatron_rlhf.data import dataset as D
+from megatron_rlhf.data import tokenizer as T
 from megatron_rlhf.models.spec import ModelConfig
 from megatron_rlhf.tasks import sort_digits
 from megatron_rlhf.trainer.run import build_frozen, expected_tokenizer, resume_point
@@ -29,7 +30,7 @@ def _tokenizer(directory, vocab, eos="<eos>"):
     core.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
     PreTrainedTokenizerFast(tokenizer_object=core, bos_token="<bos>", eos_token=eos, pad_token="<pad>"
                             ).save_pretrained(directory)
-    return D.load_tokenizer(str(directory))
+    return T.load_tokenizer(str(directory))
 
 
 @pytest.fixture(scope="module")
@@ -39,8 +40,8 @@ def tokenizers(tmp_path_factory):
     sort_digits.save_tokenizer(str(d / "tiny"))
     shutil.copytree(d / "tiny", d / "tiny_copy")
     return {
-        "tiny": D.load_tokenizer(str(d / "tiny")),
-        "copy": D.load_tokenizer(str(d / "tiny_copy")),  # the same tokenizer elsewhere
+        "tiny": T.load_tokenizer(str(d / "tiny")),
+        "copy": T.load_tokenizer(str(d / "tiny_copy")),  # the same tokenizer elsewhere
         "permuted": _tokenizer(d / "permuted", sort_digits.SPECIAL + sort_digits.OPS + ["="] + digits[::-1]),
         "smaller": _tokenizer(d / "smaller", sort_digits.SPECIAL + ["sort", "rev", "="] + digits),  # ids shift by 1
     }
@@ -49,7 +50,7 @@ def tokenizers(tmp_path_factory):
 @pytest.fixture(scope="module")
 def sft(world, tokenizers, tmp_path_factory):
     root = tmp_path_factory.mktemp("sft") / "checkpoints"
-    ckpt.save_checkpoint(root, 2, _models(), {}, {}, {}, run=ckpt.RunRecord.new("sft", D.fingerprint(tokenizers["tiny"])))
+    ckpt.save_checkpoint(root, 2, _models(), {}, {}, {}, run=ckpt.RunRecord.new("sft", T.fingerprint(tokenizers["tiny"])))
     return root
 
 
@@ -58,7 +59,7 @@ def sft(world, tokenizers, tmp_path_factory):
 def test_a_checkpoint_refuses_another_tokenizer_naming_both(sft, tokenizers, other, differ):
     tiny, tok = tokenizers["tiny"].name_or_path, tokenizers[other].name_or_path
     with pytest.raises(ckpt.CheckpointError) as e:
-        ckpt.load_model_weights(sft, _models()["policy"], "policy", "lm", tokenizer=D.fingerprint(tokenizers[other]))
+        ckpt.load_model_weights(sft, _models()["policy"], "policy", "lm", tokenizer=T.fingerprint(tokenizers[other]))
     assert str(e.value) == (
         f"model.load: {sft / 'step_00000002'} was trained with the tokenizer in '{tiny}', and tokenizer.path "
         f"'{tok}' is another one ({differ}): the model would read token ids that mean other words; set "
@@ -67,9 +68,9 @@ def test_a_checkpoint_refuses_another_tokenizer_naming_both(sft, tokenizers, oth
 
 
 def test_the_same_tokenizer_elsewhere_loads_and_allow_swap_lets_another_through(sft, tokenizers):
-    ckpt.load_model_weights(sft, _models()["policy"], "policy", "lm", tokenizer=D.fingerprint(tokenizers["copy"]))
+    ckpt.load_model_weights(sft, _models()["policy"], "policy", "lm", tokenizer=T.fingerprint(tokenizers["copy"]))
     cfg = C.PPOConfig()
-    assert expected_tokenizer(cfg, tokenizers["permuted"]) == D.fingerprint(tokenizers["permuted"])
+    assert expected_tokenizer(cfg, tokenizers["permuted"]) == T.fingerprint(tokenizers["permuted"])
     cfg.tokenizer.allow_swap = True
     assert expected_tokenizer(cfg, tokenizers["permuted"]) is None
     ckpt.load_model_weights(sft, _models()["policy"], "policy", "lm", tokenizer=None)
@@ -96,7 +97,7 @@ def test_checkpoints_without_a_fingerprint_load_as_before(world, tokenizers, tmp
     assert set(json.loads((recorded / "step_00000002" / ckpt.RUN_RECORD).read_text())) == {"stage", "run_id"}
     for root in (old, recorded):
         ckpt.load_model_weights(root, _models()["policy"], "policy", "lm",
-                                tokenizer=D.fingerprint(tokenizers["permuted"]))
+                                tokenizer=T.fingerprint(tokenizers["permuted"]))
 
 
 def _cfg(run, allow_swap=False):
@@ -106,11 +107,11 @@ def _cfg(run, allow_swap=False):
 
 def test_resuming_with_another_tokenizer_is_refused_and_a_swap_is_recorded(world, tokenizers, tmp_path):
     root = tmp_path / "run" / "checkpoints"
-    first = ckpt.RunRecord.new("ppo", D.fingerprint(tokenizers["tiny"]))
+    first = ckpt.RunRecord.new("ppo", T.fingerprint(tokenizers["tiny"]))
     ckpt.save_checkpoint(root, 2, _models(), {}, {}, {}, run=first)
 
     def ctx(tok):
-        return SimpleNamespace(ckpt_root=str(root), run=ckpt.RunRecord.new("ppo", D.fingerprint(tok)), rank0=True,
+        return SimpleNamespace(ckpt_root=str(root), run=ckpt.RunRecord.new("ppo", T.fingerprint(tok)), rank0=True,
                                log=None)
 
     with pytest.raises(ckpt.CheckpointError, match=r"^logging.run_dir: .*step_00000002 was trained with the "
@@ -118,16 +119,16 @@ def test_resuming_with_another_tokenizer_is_refused_and_a_swap_is_recorded(world
         resume_point(_cfg(tmp_path / "run"), ctx(tokenizers["smaller"]))
     swapped = ctx(tokenizers["smaller"])
     assert resume_point(_cfg(tmp_path / "run", allow_swap=True), swapped) == root / "step_00000002"
-    assert swapped.run.run_id == first.run_id and swapped.run.tokenizer == D.fingerprint(tokenizers["smaller"])
+    assert swapped.run.run_id == first.run_id and swapped.run.tokenizer == T.fingerprint(tokenizers["smaller"])
 
 
 def test_a_tokenizer_without_eos_is_refused_for_ppo(tmp_path):
     tok = _tokenizer(tmp_path / "no_eos", sort_digits.VOCAB, eos=None)
     with pytest.raises(D.DataError) as e:
-        D.require_eos(tok, "PPO")
+        T.require_eos(tok, "PPO")
     assert str(e.value).startswith(f"tokenizer.path: the tokenizer at '{tok.name_or_path}' has no EOS token, and "
                                    "PPO ends every response at EOS"), e.value
-    D.require_eos(D.load_tokenizer(sort_digits.save_tokenizer(str(tmp_path / "tiny"))), "PPO")
+    T.require_eos(T.load_tokenizer(sort_digits.save_tokenizer(str(tmp_path / "tiny"))), "PPO")
 
 
 def test_a_tokenizer_missing_the_tasks_digits_is_blamed_not_the_rows(tmp_path):

@@ -21,6 +21,8 @@ from typing import Dict, List
 import torch
 
 from megatron_rlhf.data import dataset as D
+
+from megatron_rlhf.data import tokenizer as T
 from megatron_rlhf.algo.kl import AdaptiveKLController, FixedKLController
 from megatron_rlhf.trainer.ppo.batch import Experience, all_gather_experience
 from megatron_rlhf.data.sampler import ShardedBatchSampler
@@ -67,7 +69,7 @@ def fit(cfg) -> Dict[str, float]:
     from megatron.core import parallel_state as ps
 
     dp_group, tok, log = ps.get_data_parallel_group(), ctx.tokenizer, ctx.log
-    D.require_eos(tok, "PPO")
+    T.require_eos(tok, "PPO")
     train_prompts, eval_prompts = load_prompts(cfg, tok, log)
     if eval_prompts and min(p.eval_prompts, len(eval_prompts)) < ctx.dp_size:  # each rank evaluates a share
         raise ConfigError(f"held-out evaluation needs a prompt per data-parallel rank: {len(eval_prompts)} in "
