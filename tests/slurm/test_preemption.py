@@ -48,10 +48,10 @@ def test_sigusr1_mid_run(slurm, tiny, tmp_path):
 
 def test_the_time_limits_own_signal(slurm, tiny, tmp_path):
     """`--time=2:00 --signal=USR1@100`: Slurm's SIGUSR1 comes 100 s (+10-16 s) before the limit, i.e. 4-10 s
-    into the run (in start-up or mid-run); the run is made long enough (~15 s) to be still going. Once
+    into the run (in start-up or mid-run); the run is made long enough (~35 s) to be still going. Once
     requeued, the job gets a longer limit: the rerun would otherwise be stopped at the same moment again
     (and again), which is the same path once more."""
-    steps = 3 * LONG_STEPS
+    steps = 8 * LONG_STEPS  # ~35 s: still running when the signal comes, however fast the machine
     job, run = _submit(slurm, tiny, tmp_path, name="timed", steps=steps, time="2:00", signal_seconds=100)
     reference = sft_config(tiny["data"], tmp_path, "timed-local", **{"train.train_steps": steps})
     with ThreadPoolExecutor(1) as pool:
