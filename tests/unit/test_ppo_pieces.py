@@ -44,9 +44,10 @@ def test_layout_checks_name_the_fix():
         check_ppo_layout(load("parallel.cp=2"), 1)
     with pytest.raises(C.ConfigError, match="rollout.tp=3 does not divide the world size 2"):
         check_ppo_layout(load("rollout.tp=3", "train.micro_batch_size=32"), 2)
-    if not torch.cuda.is_available():
-        with pytest.raises(C.ConfigError, match="rollout.engine=vllm needs CUDA"):
-            check_ppo_layout(load("rollout.engine=vllm"), 1)
+    with pytest.raises(C.ConfigError, match="ppo.temperature=2.5: vLLM samples at temperatures up to 2"):
+        check_ppo_layout(load("rollout.engine=vllm", "ppo.temperature=2.5"), 1)
+    with pytest.raises(C.ConfigError, match="rollout.vllm.kv_cache_gib=-1"):
+        check_ppo_layout(load("rollout.engine=vllm", "rollout.vllm.kv_cache_gib=-1"), 1)
     assert load().train.global_batch_size  # the SFT batch keys do not constrain PPO
 
 

@@ -126,52 +126,55 @@ def fit(cfg) -> Dict[str, float]:
             return evaluate(engine, m.forward_models(), frozen, eval_prompts, cfg, ctx.dp_rank, ctx.dp_size, tok,
                             gold, dp_group)
 
-    metrics = PhaseMemory(open_metrics(cfg, ctx, p.iterations, iteration, namespaces=NAMESPACES, desc="ppo"))
-    guard, stop = SkipGuard(p.max_consecutive_skips, log), StopFlag()
-    if baseline is None:  # iteration 0: the SFT policy, the reference point of summary.json
-        baseline = last_eval = evaluate_policy()
-        metrics.log(0, baseline)
-    correction = (p.rollout_correction, p.rollout_correction_cap)
-    stop_at, resumed_at = min(p.iterations, cfg.train.exit_at_step or p.iterations), iteration
-    while iteration < stop_at:
-        with metrics.timer("time/iteration") as timing:
-            with engine.same_weights():  # ReMax's greedy baseline reuses the rollout's copy of the weights
-                with metrics.timer("time/rollout"), offloaded([m.policy, m.value]):  # grads + optimizer state to host
-                    prompt_indices = next(sampler)
-                    exp = rollout(engine, train_prompts, prompt_indices, cfg, iteration, ctx.dp_rank, tok)
-                with metrics.timer("time/score"), m.frozen_on_device():
-                    score_and_recompute(exp, m.forward_models(), frozen, cfg.train.micro_batch_size)
-                    greedy = cf.remax_baseline(engine, [train_prompts[i] for i in prompt_indices], tok, m.reward,
-                                               frozen, cfg)
-            with metrics.timer("time/advantages"):
-                group = cf.estimate(exp, cfg.ppo, kl_ctl.beta, greedy, dp_group)  # GAE, or grpo/rloo/remax
-                stats = {f"ppo/{k}": float(v) for k, v in {**rollout_stats(exp, dp_group, correction), **group}.items()}
-                batch = all_gather_experience(exp, dp_group)
-            with metrics.timer("time/train"):
-                learned = learn(m.policy, m.value, batch, cfg, iteration=iteration, dp_rank=ctx.dp_rank,
-                                dp_size=ctx.dp_size, vocab_size=vocab, guard=guard, steps_done=steps_done,
-                                train_policy=iteration >= p.value_warmup_iterations, beta=kl_ctl.beta, ptx=ptx)
-        iteration += 1
-        stats.update({f"ppo/{k}": v for k, v in learned.items()})
-        stats["ppo/beta"] = kl_ctl.beta
-        kl_ctl.update(stats["ppo/kl_per_seq"])
-        stats.update(perf_stats(batch, timing.seconds))
-        if (p.eval_interval and iteration % p.eval_interval == 0) or iteration == p.iterations:
-            last_eval = evaluate_policy()
-            stats.update(last_eval)
-        for warning in doctor.check(iteration, stats):
-            metrics.write(f"warning: iteration {iteration}: {warning.message}")
-        stats.update(doctor.counts())
-        metrics.log(iteration, stats)
-        if p.sample_interval and iteration % p.sample_interval == 0:
-            metrics.log_text("samples", sample_panel(exp, tok, gold), step=iteration)
-        if save_or_stop(cfg, iteration, stop, save, metrics, log, unit="iteration") == "stopped":
-            return last_eval
-    if resume_from is None or iteration > resumed_at:
-        save(iteration)
-    if iteration == p.iterations:
-        finish(cfg, ctx, m, baseline, last_eval, time.time() - started)
-    metrics.close()
+    try:  # vLLM's shutdown destroys the process groups: it comes after everything else, the last save included
+        metrics = PhaseMemory(open_metrics(cfg, ctx, p.iterations, iteration, namespaces=NAMESPACES, desc="ppo"))
+        guard, stop = SkipGuard(p.max_consecutive_skips, log), StopFlag()
+        if baseline is None:  # iteration 0: the SFT policy, the reference point of summary.json
+            baseline = last_eval = evaluate_policy()
+            metrics.log(0, baseline)
+        correction = (p.rollout_correction, p.rollout_correction_cap)
+        stop_at, resumed_at = min(p.iterations, cfg.train.exit_at_step or p.iterations), iteration
+        while iteration < stop_at:
+            with metrics.timer("time/iteration") as timing:
+                with engine.same_weights():  # ReMax's greedy baseline reuses the rollout's copy of the weights
+                    with metrics.timer("time/rollout"), offloaded([m.policy, m.value]):  # grads + optimizer state to host
+                        prompt_indices = next(sampler)
+                        exp = rollout(engine, train_prompts, prompt_indices, cfg, iteration, ctx.dp_rank, tok)
+                    with metrics.timer("time/score"), m.frozen_on_device():
+                        score_and_recompute(exp, m.forward_models(), frozen, cfg.train.micro_batch_size)
+                        greedy = cf.remax_baseline(engine, [train_prompts[i] for i in prompt_indices], tok, m.reward,
+                                                   frozen, cfg)
+                with metrics.timer("time/advantages"):
+                    group = cf.estimate(exp, cfg.ppo, kl_ctl.beta, greedy, dp_group)  # GAE, or grpo/rloo/remax
+                    stats = {f"ppo/{k}": float(v) for k, v in {**rollout_stats(exp, dp_group, correction), **group}.items()}
+                    batch = all_gather_experience(exp, dp_group)
+                with metrics.timer("time/train"):
+                    learned = learn(m.policy, m.value, batch, cfg, iteration=iteration, dp_rank=ctx.dp_rank,
+                                    dp_size=ctx.dp_size, vocab_size=vocab, guard=guard, steps_done=steps_done,
+                                    train_policy=iteration >= p.value_warmup_iterations, beta=kl_ctl.beta, ptx=ptx)
+            iteration += 1
+            stats.update({f"ppo/{k}": v for k, v in learned.items()})
+            stats["ppo/beta"] = kl_ctl.beta
+            kl_ctl.update(stats["ppo/kl_per_seq"])
+            stats.update(perf_stats(batch, timing.seconds))
+            if (p.eval_interval and iteration % p.eval_interval == 0) or iteration == p.iterations:
+                last_eval = evaluate_policy()
+                stats.update(last_eval)
+            for warning in doctor.check(iteration, stats):
+                metrics.write(f"warning: iteration {iteration}: {warning.message}")
+            stats.update(doctor.counts())
+            metrics.log(iteration, stats)
+            if p.sample_interval and iteration % p.sample_interval == 0:
+                metrics.log_text("samples", sample_panel(exp, tok, gold), step=iteration)
+            if save_or_stop(cfg, iteration, stop, save, metrics, log, unit="iteration") == "stopped":
+                return last_eval
+        if resume_from is None or iteration > resumed_at:
+            save(iteration)
+        if iteration == p.iterations:
+            finish(cfg, ctx, m, baseline, last_eval, time.time() - started)
+        metrics.close()
+    finally:
+        engine.close()
     init.destroy()
     return last_eval
 
