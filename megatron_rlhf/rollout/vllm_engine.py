@@ -138,8 +138,9 @@ class VLLMRolloutEngine(RolloutEngine):
         dist.barrier()
         # Before vLLM is imported: its compile cache under the run, not ~/.cache/vllm; the engine core in this
         # process (external_launcher needs it, and the weight stream is a generator that cannot be pickled).
-        os.environ.setdefault("VLLM_CACHE_ROOT", os.path.join(root, "cache"))
+        os.environ["VLLM_CACHE_ROOT"] = os.path.join(root, "cache")
         os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+        os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")  # not two INFO lines per rank per iteration
         from vllm import LLM
 
         extra = {"data_parallel_size": world // tp} if world > tp else {}

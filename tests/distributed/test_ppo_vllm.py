@@ -48,4 +48,4 @@ def test_exact_resume_with_vllm(base, tmp_path):
     assert sorted(a) == sorted(b) == [0, 1, 2, 3]
     for step in a:
         assert learning_metrics(a[step]) == learning_metrics(b[step]), step
-    assert a[3]["ppo/kl_per_seq"] > 0
+    assert a[3]["ppo/kl_per_seq"] != 0.0  # the policy moved: iteration 3 sampled from a trained policy

@@ -4,7 +4,8 @@ scripts/vllm_engine.py streams a tiny Megatron policy's weights into vLLM and in
 greedy tokens and EOS stops equal `generate` on left-padded prompts of different lengths, before and after
 a weight change (and the change shows); sampled tokens' log-probs equal the trainer's recomputation
 (mean |rho - 1| < 0.01, fp32); the same draws give the same tokens; the process keeps its thread count,
-a working `torch.set_num_threads` and its RNG state.
+a working `torch.set_num_threads` and its RNG state. scripts/vllm_train_after.py: training on the same tokens
+is bit-identical after a vLLM generation and after a Megatron one.
 """
 
 from __future__ import annotations
@@ -32,3 +33,17 @@ def test_vllm_engine_matches_transformers(layout, nproc, tmp_path):
     assert tokens > 20 and deviation / tokens < 0.01, r["rho_abs_dev"]
     assert r["same_draws_same_tokens"]
     assert r["threads_kept"] and r["set_num_threads_works"] and r["rng_kept"]
+
+
+def test_training_after_vllm_matches_training_after_the_megatron_sampler(tmp_path):
+    """The same policy trained 3 steps on the same sampled tokens, once in a process where vLLM sampled them
+    and once where the Megatron sampler ran instead: bit-identical losses and weights (thread count, RNG)."""
+    tokens = tmp_path / "tokens"
+    tokens.mkdir()
+    runs = {}
+    for engine in ("vllm", "megatron"):
+        out = tmp_path / f"{engine}.json"
+        torchrun("vllm_train_after.py", engine, str(tokens), str(out), str(tmp_path / "run"), nproc=2, timeout=600)
+        runs[engine] = read_json(out)
+    assert runs["vllm"] == runs["megatron"], runs
+    assert runs["vllm"]["threads"] == 2 and len(runs["vllm"]["losses"]) == 6

@@ -1,7 +1,8 @@
 """The colocated vLLM engine against the Megatron sampler on one GPU (skipped without CUDA and vllm).
 
-Run on a GPU node: `pytest tests/gpu/test_vllm_engine.py`. Checks issue 9's three claims on a tiny bf16
-model: greedy tokens equal the Megatron engine's; after a weight change the output follows the new
+The CPU build runs the same engine in tests/distributed/test_vllm_engine.py; this one covers what only CUDA
+has (sleep mode, the training weights leaving the device while vLLM decodes). Run on a GPU node:
+`pytest tests/gpu/test_vllm_engine.py`. On a tiny bf16 model: greedy tokens equal the Megatron engine's; after a weight change the output follows the new
 weights; mean |rho - 1| (trainer log-prob vs vLLM's) below 0.01 on sampled tokens.
 """
 
@@ -41,7 +42,7 @@ def test_vllm_engine_follows_the_megatron_policy(world_of_one, tmp_path):
     init.initialize(ParallelConfig(), seed=0)
     chunks = [c.cuda() for c in build_model(cfg, ParallelConfig())]
     megatron = MegatronRolloutEngine(chunks, eos_id=None, pad_id=0, vocab_size=VOCAB)
-    vllm = VLLMRolloutEngine(chunks, cfg, 1, str(tmp_path / "vllm_config"), eos_id=None, pad_id=0, bucket_mb=1, seed=0)
+    vllm = VLLMRolloutEngine(chunks, cfg, 1, str(tmp_path / "run"), eos_id=None, pad_id=0, seed=0)
     ids, mask = _prompts()
     greedy = SamplingParams(T, greedy=True)
     before = vllm.generate(ids, mask, greedy)["response_ids"].cpu()
@@ -62,3 +63,4 @@ def test_vllm_engine_follows_the_megatron_policy(world_of_one, tmp_path):
     m = exp.response_mask
     rho = torch.exp((trainer - exp.sampler_logprobs) * m)
     assert float(((rho - 1).abs() * m).sum() / m.sum()) < 0.01
+    vllm.close()
