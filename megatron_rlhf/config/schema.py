@@ -26,6 +26,7 @@ import os
 from dataclasses import dataclass, field
 from typing import Any, Iterator, Optional, Sequence
 
+from megatron_rlhf.config import generation as G
 from megatron_rlhf.config import io as config_io
 from megatron_rlhf.config.fields import ConfigError, help_field as _f, paths_exist, require as _require  # noqa: F401
 from megatron_rlhf.models.spec import ModelConfig, model_config_from_hf
@@ -347,6 +348,24 @@ def _finalize(cfg: Any, explicit: frozenset = frozenset()) -> None:
             cfg.checkpoint.dir = os.path.join(cfg.logging.run_dir, "checkpoints")
         if cfg.tokenizer.path is None and cfg.model.hf_config and os.path.isdir(cfg.model.hf_config):
             cfg.tokenizer.path = cfg.model.hf_config
+        _sampling_defaults(cfg, explicit)
+
+
+def _sampling_defaults(cfg: RunConfig, explicit: frozenset) -> None:
+    """Sampling keys the user did not set take the policy checkpoint's generation_config.json (config/generation.py)."""
+    path = G.find_generation_config(cfg.model.load, cfg.model.hf_config)
+    if path is not None:
+        G.read_generation_config(path)  # a broken file is one line now, not when the run writes its own
+    if isinstance(cfg, PPOConfig):
+        section, prefix = cfg.ppo, "ppo."
+    elif isinstance(cfg, DPOConfig) and cfg.dpo.eval_prompts_path is not None:
+        section, prefix = cfg.dpo, "dpo."
+    elif isinstance(cfg, RMConfig) and cfg.calibration.enabled:
+        section, prefix = cfg.calibration, "calibration."
+        path = G.find_generation_config(cfg.calibration.policy_load, cfg.model.load, cfg.model.hf_config)
+    else:
+        return
+    G.set_note(cfg, G.apply_checkpoint_sampling(section, prefix, path, explicit))
 
 
 # --------------------------------------------------------------------------------------------

@@ -9,11 +9,13 @@ Three kinds of rows (field names come from `DataConfig`):
   with the prompt) and ``prompt_len``.
 * ``"prompt"``: ``{prompt}`` or ``{messages}`` (rendered with the generation prompt) -> ``prompt_ids``.
 
-Malformed rows (missing field, wrong type, empty text, invalid JSON) are counted and skipped; the load
-stops with `DataError` when their fraction exceeds ``data.max_bad_fraction``. Over-long examples are
+Malformed rows (missing field, wrong type, empty text, invalid JSON, messages the chat template cannot
+render) are counted and skipped; the load stops with `DataError` when their fraction exceeds
+``data.max_bad_fraction`` or no row is left. Over-long examples are
 truncated or dropped (``data.overlong``) and counted: SFT and preference examples lose their end, prompts their
 middle (`prompt_ends`: BOS and the instruction at the start, the generation cue at the end are kept). Every
-load reports one summary line, and a warning line when examples were truncated.
+load reports one summary line, a warning line when examples were truncated, and one when the chat template
+failed on rows (their numbers and the template's first error).
 
 Batches: `data/collate.py` turns examples into padded tensors; `data/sampler.py` decides which examples each
 data-parallel rank takes at each step.
@@ -26,12 +28,13 @@ import hashlib
 import json
 import os
 from collections import Counter
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Callable, Dict, List, Optional, Sequence
 
 import numpy as np
 
 from megatron_rlhf.config.schema import DataConfig
+from megatron_rlhf.data.report import TEMPLATE_ERROR, TOKENIZER_ERROR, DataReport, blame_tokenizer, prompt_ends
 from megatron_rlhf.data.tokenizer import DataError
 
 KINDS = ("sft", "preference", "prompt")
@@ -39,8 +42,8 @@ FORMATS = ("jsonl", "json", "parquet", "arrow")
 _EXTENSIONS = {".jsonl": "jsonl", ".json": "json", ".parquet": "parquet", ".arrow": "arrow"}
 _JSON_COLUMN = "_json"  # json/jsonl rows are read as raw text lines and parsed per row (see read_rows)
 _STATUS = "_status"
+_DETAIL = "_detail"  # what the chat template raised, for the warning naming the row (empty for other rows)
 _OK, _TRUNCATED, _OVERLONG = "ok", "truncated", "overlong"
-_TOKENIZER_ERROR = "tokenizer error"  # a bad-row reason that is the tokenizer's fault, not the data's
 
 
 # --------------------------------------------------------------------------------------------
@@ -147,7 +150,12 @@ def read_rows(path: str, fmt: Optional[str] = None):
 
 
 class _BadRow(Exception):
-    """A malformed row; the message is the reason counted in the summary."""
+    """A malformed row; the message is the reason counted in the summary, `detail` what the row's own
+    warning says (the chat template's error)."""
+
+    def __init__(self, reason: str, detail: str = ""):
+        super().__init__(reason)
+        self.detail = detail
 
 
 def _text(row: Dict[str, Any], name: str) -> str:
@@ -188,17 +196,17 @@ class _Tokenize:
             row = self._parse(raw)
             result = getattr(self, f"_{self.kind}")(row)
         except _BadRow as e:
-            out[_STATUS] = f"bad:{e}"
+            out[_STATUS], out[_DETAIL] = f"bad:{e}", e.detail
             return out
         out.update(result)
         return out
 
     def _empty(self) -> Dict[str, Any]:
         if self.kind == "sft":
-            return {"input_ids": [], "loss_mask": [], _STATUS: _OK}
+            return {"input_ids": [], "loss_mask": [], _STATUS: _OK, _DETAIL: ""}
         if self.kind == "preference":
-            return {"chosen_ids": [], "rejected_ids": [], "prompt_len": 0, _STATUS: _OK}
-        return {"prompt_ids": [], _STATUS: _OK}
+            return {"chosen_ids": [], "rejected_ids": [], "prompt_len": 0, _STATUS: _OK, _DETAIL: ""}
+        return {"prompt_ids": [], _STATUS: _OK, _DETAIL: ""}
 
     def _parse(self, raw: Dict[str, Any]) -> Dict[str, Any]:
         if not self.from_json:
@@ -215,7 +223,7 @@ class _Tokenize:
         try:
             return list(self.tok(text, add_special_tokens=special)["input_ids"])
         except Exception as e:  # e.g. a word-level tokenizer without an unknown token
-            raise _BadRow(f"{_TOKENIZER_ERROR} ({type(e).__name__})") from None
+            raise _BadRow(f"{TOKENIZER_ERROR} ({type(e).__name__})") from None
 
     def _response(self, text: str) -> List[int]:
         ids = self._encode(text, special=False)
@@ -234,8 +242,10 @@ class _Tokenize:
             ids = self.tok.apply_chat_template(
                 messages, tokenize=True, add_generation_prompt=generation_prompt, return_dict=False
             )
-        except Exception as e:
-            raise _BadRow(f"chat template error ({type(e).__name__})") from None
+        except Exception as e:  # jinja's TemplateError from raise_exception (an unknown role), a missing key, ...
+            text = " ".join(str(e).split())
+            detail = f"{type(e).__name__}: {text[:200]}" if text else type(e).__name__
+            raise _BadRow(f"{TEMPLATE_ERROR} ({type(e).__name__})", detail) from None
         return list(ids)
 
     # kinds ---------------------------------------------------------------------------------
@@ -314,60 +324,6 @@ class _Tokenize:
         return {"prompt_ids": ids, _STATUS: _OK}
 
 
-def prompt_ends(limit: int) -> tuple:
-    """How an over-long prompt is cut under data.overlong=truncate: its first and last tokens are kept and the
-    middle dropped. The start holds BOS, the system prompt and the instruction; the end holds the question's
-    last words and the chat template's generation cue (e.g. '<|im_start|>assistant'), without which the model
-    continues the user's turn instead of answering. Cutting either end off loses more than the middle does."""
-    return (limit + 1) // 2, limit // 2
-
-
-@dataclass
-class DataReport:
-    """What happened to the rows of one file; `summary()` is the one line printed at load."""
-
-    source: str
-    kind: str
-    total: int = 0
-    kept: int = 0
-    truncated: int = 0
-    dropped_overlong: int = 0
-    bad: Dict[str, int] = field(default_factory=dict)
-    max_seq_len: int = 0
-    limit_key: str = "data.max_seq_len"  # the setting max_seq_len came from
-
-    @property
-    def num_bad(self) -> int:
-        return sum(self.bad.values())
-
-    @property
-    def bad_fraction(self) -> float:
-        return self.num_bad / self.total if self.total else 0.0
-
-    def _bad_text(self) -> str:
-        return ", ".join(f"{reason}: {n}" for reason, n in sorted(self.bad.items(), key=lambda kv: -kv[1]))
-
-    def warning(self) -> Optional[str]:
-        """One line when examples were truncated: a number in the summary is easy to miss."""
-        if not self.truncated:
-            return None
-        if self.kind == "prompt":
-            head, tail = prompt_ends(self.max_seq_len)
-            how = f"cut in the middle (their first {head} and last {tail} tokens kept)"
-        else:
-            how = "cut at the end (responses shortened)"
-        return (f"warning: data {self.source}: {self.truncated} of {self.total} {self.kind} examples are longer than "
-                f"{self.max_seq_len} tokens and were {how}: raise {self.limit_key}, or set data.overlong=drop to "
-                "skip them")
-
-    def summary(self) -> str:
-        parts = [f"data {self.source} ({self.kind}): {self.total} rows, {self.kept} kept"]
-        if self.bad:
-            parts.append(f"{self.num_bad} malformed skipped ({self._bad_text()})")
-        parts.append(f"{self.truncated} truncated and {self.dropped_overlong} dropped as longer than {self.max_seq_len} tokens")
-        return "; ".join(parts)
-
-
 def _features(kind: str):
     """Explicit column types: inference would fail when the first rows are bad (empty lists)."""
     from datasets import Features, List as DList, Value
@@ -378,7 +334,7 @@ def _features(kind: str):
         "preference": {"chosen_ids": ids, "rejected_ids": ids, "prompt_len": Value("int32")},
         "prompt": {"prompt_ids": ids},
     }[kind]
-    return Features({**cols, _STATUS: Value("string")})
+    return Features({**cols, _STATUS: Value("string"), _DETAIL: Value("string")})
 
 
 def tokenize_rows(raw, kind: str, cfg: DataConfig, tokenizer, source: str = "data"):
@@ -421,36 +377,33 @@ def tokenize_rows(raw, kind: str, cfg: DataConfig, tokenizer, source: str = "dat
     )
     if report.total == 0:
         raise DataError(f"data {source}: no rows")
+    if report.num_template_errors:
+        failed = [i for i, s in enumerate(statuses) if s.startswith(f"bad:{TEMPLATE_ERROR}")]
+        report.template_rows, report.template_error = [i + 1 for i in failed[:5]], ds[failed[0]][_DETAIL]
+    first = f"; {report.first_template_error()}" if report.template_rows else ""  # the template's own words
+    if report.num_bad == report.total:
+        blame_tokenizer(report, statuses, tokenizer)
+        raise DataError(f"data {source}: all {report.total} rows are malformed ({report.bad_text()}{first}): fix "
+                        "the data or the data.*_field names" + (", or use a tokenizer whose chat template takes "
+                                                                 "these messages" if first else ""))
     if report.bad_fraction > cfg.max_bad_fraction:
-        _blame_tokenizer(report, statuses, tokenizer)
+        blame_tokenizer(report, statuses, tokenizer)
         raise DataError(
             f"data {source}: {report.num_bad} of {report.total} rows ({100 * report.bad_fraction:.1f}%) are "
-            f"malformed, more than data.max_bad_fraction={cfg.max_bad_fraction} ({report._bad_text()}): "
+            f"malformed, more than data.max_bad_fraction={cfg.max_bad_fraction} ({report.bad_text()}{first}): "
             "fix the data, the data.*_field names, or raise data.max_bad_fraction"
         )
     keep = [i for i, s in enumerate(statuses) if s in (_OK, _TRUNCATED)]
     report.kept = len(keep)
     if not keep:
         fix = "raise data.max_seq_len" + (" or set data.overlong=truncate" if cfg.overlong == "drop" else "")
+        bad = f"; {report.num_bad} malformed: {report.bad_text()}" if report.bad else ""
         raise DataError(
             f"data {source}: none of the {report.total} rows is usable ({report.dropped_overlong} longer than "
-            f"{report.max_seq_len} tokens even after truncation): {fix}"
+            f"{report.max_seq_len} tokens even after truncation{bad}): {fix}"
         )
     ds = ds.select(keep, keep_in_memory=True) if len(keep) < len(statuses) else ds
-    return ds.remove_columns(_STATUS), report
-
-
-def _blame_tokenizer(report: DataReport, statuses: List[str], tokenizer) -> None:
-    """When most bad rows are rows the tokenizer cannot encode (a word-level vocabulary without the data's
-    digits, say), the data is fine and `tokenizer.path` is what to fix: one line saying so."""
-    failed = sum(n for reason, n in report.bad.items() if reason.startswith(_TOKENIZER_ERROR))
-    if failed * 2 <= report.num_bad:
-        return
-    first = next(i for i, s in enumerate(statuses) if s.startswith(f"bad:{_TOKENIZER_ERROR}"))
-    raise DataError(
-        f"tokenizer.path: the tokenizer in '{tokenizer.name_or_path}' cannot encode {failed} of the {report.total} "
-        f"rows of {report.source} (the first is row {first + 1}): it lacks tokens this data uses; use the "
-        "tokenizer the data and the model were made with")
+    return ds.remove_columns([_STATUS, _DETAIL]), report
 
 
 def load_examples(kind: str, cfg: DataConfig, tokenizer, path: Optional[str] = None, log: Optional[Callable] = print):
@@ -461,8 +414,8 @@ def load_examples(kind: str, cfg: DataConfig, tokenizer, path: Optional[str] = N
     ds, report = tokenize_rows(read_rows(path, cfg.format), kind, cfg, tokenizer, source=path)
     if log is not None:
         log(report.summary())
-        if report.warning():
-            log(report.warning())
+        for line in report.warnings():
+            log(line)
     return ds, report
 
 

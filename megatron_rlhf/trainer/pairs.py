@@ -56,7 +56,8 @@ def _parse(argv: Optional[Sequence[str]]) -> argparse.Namespace:
     p.add_argument("--tp", type=int, default=1, help="tensor-parallel size (data-parallel = world / tp)")
     p.add_argument("--batch-size", type=int, default=128, help="prompts per generate call (2 samples each)")
     p.add_argument("--max-new-tokens", type=int, default=11, help="longest answer (7 digits) + 4")
-    p.add_argument("--temperature", type=float, default=1.0)
+    p.add_argument("--temperature", type=float, default=None,
+                   help="sampling temperature (default: the --policy checkpoint's generation_config.json, else 1.0)")
     p.add_argument("--max-tries", type=int, default=16,
                    help="rounds of resampling prompts whose two responses are identical, empty or tied in true score")
     p.add_argument("--sharpness", type=float, default=sort_digits.BT_SHARPNESS,
@@ -67,9 +68,20 @@ def _parse(argv: Optional[Sequence[str]]) -> argparse.Namespace:
     for name in ("num_pairs", "tp", "batch_size", "max_new_tokens", "max_tries"):
         if getattr(args, name) < 1:
             p.error(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
-    if args.temperature <= 0:
+    if args.temperature is not None and args.temperature <= 0:
         p.error(f"--temperature must be > 0, got {args.temperature} (greedy samples would always coincide)")
     return args
+
+
+def sampling_temperature(args: argparse.Namespace) -> Optional[str]:
+    """--temperature unless given: the --policy checkpoint's generation_config.json (config/generation.py), else
+    1.0. Returns the line to log about it (None without a file)."""
+    from megatron_rlhf.config import generation as G
+
+    explicit = ["--temperature"] if args.temperature is not None else []
+    if args.temperature is None:
+        args.temperature = 1.0
+    return G.apply_checkpoint_sampling(args, "--", G.find_generation_config(args.policy), explicit)
 
 
 def response_text(ids: Sequence[int], eos_id: int, tokenizer) -> Tuple[str, bool]:
@@ -151,6 +163,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     from megatron_rlhf.parallel import init
     from megatron_rlhf.parallel.layout import ParallelConfig, validate_layout
 
+    note = sampling_temperature(args)
     model_cfg = C.read_model_config(args.policy)
     if model_cfg is None:
         raise ckpt.CheckpointError(
@@ -164,6 +177,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     try:
         rank0 = torch.distributed.get_rank() == 0
         dp_rank, dp_size = ps.get_data_parallel_rank(), ps.get_data_parallel_world_size()
+        if rank0 and note:
+            print(note, flush=True)
         tokenizer = T.load_tokenizer(args.tokenizer)
         T.check_vocab(tokenizer, model_cfg.vocab_size)
         # Prompts longer than the model can continue by max_new_tokens are dropped (the load report says so).

@@ -3,7 +3,7 @@
     ctx = start_run(cfg, check_batch)        # layout check, batch check, process groups, tokenizer
     policy = build_trainable(ctx, ...)       # model -> initial weights -> DDP -> optimizer + scheduler
     path = resume_point(cfg, ctx, log)       # the checkpoint to resume from (or None)
-    record_run(cfg, ctx)                     # resolved config.yaml, model_config.json next to checkpoints
+    record_run(cfg, ctx)                     # resolved config.yaml, model_config.json (+ generation_config.json)
     stop = StopFlag()                        # SIGTERM / SIGUSR1 -> checkpoint and a clean exit
     metrics = open_metrics(cfg, ctx, ...)    # TensorBoard + metrics.jsonl + progress bar on rank 0
 """
@@ -20,6 +20,7 @@ from typing import Any, Callable, List, Optional, Sequence
 
 import torch
 
+from megatron_rlhf.config import generation as G
 from megatron_rlhf.config import schema as C
 from megatron_rlhf.config import io as config_io
 from megatron_rlhf.data import tokenizer as T
@@ -76,6 +77,8 @@ def start_run(cfg, check_batch: Callable[[int], Any]) -> RunContext:
     _lock_run_dirs(cfg, rank0)
     tokenizer = T.load_tokenizer(cfg.tokenizer.path)
     T.check_vocab(tokenizer, model_cfg.vocab_size)
+    if rank0 and G.note(cfg):
+        print(G.note(cfg), flush=True)  # which sampling settings came from the checkpoint's generation_config.json
     ckpt_root = cfg.checkpoint.dir or f"{cfg.logging.run_dir}/checkpoints"
     # Where a rerun resumes from (as resume_point reads it), for the launcher's line when a rank is killed.
     lifetime.note_checkpoint_root(cfg.checkpoint.load or ckpt_root)
@@ -163,10 +166,30 @@ def resume_point(cfg, ctx: RunContext):
 
 
 def record_run(cfg, ctx: RunContext) -> None:
-    """Rank 0: the resolved config in the run dir; model_config.json where later stages look for it."""
+    """Rank 0: the resolved config in the run dir; model_config.json and generation_config.json where later
+    stages look for them (next to the checkpoints)."""
     if ctx.rank0:
         C.save_resolved(cfg, cfg.logging.run_dir)
         C.write_model_config(ctx.model_cfg, ctx.ckpt_root)
+        gen = generation_config(cfg, ctx.tokenizer)
+        if gen is not None:
+            os.makedirs(ctx.ckpt_root, exist_ok=True)
+            write_json(os.path.join(ctx.ckpt_root, G.GENERATION_CONFIG), gen)
+
+
+def generation_config(cfg, tokenizer) -> Optional[dict]:
+    """The generation_config.json of the model this run trains (config/generation.py `for_export`): the one of
+    its checkpoint (model.load, model.hf_config) with the tokenizer's token ids; a PPO run's also holds the
+    sampling it trained with (ppo.temperature, top_k, top_p, max_new_tokens). None: nothing to write (a stage
+    that does not sample, from a checkpoint without one)."""
+    path = G.find_generation_config(cfg.model.load, cfg.model.hf_config)
+    base = G.read_generation_config(path) if path else None
+    p = cfg.ppo if isinstance(cfg, C.PPOConfig) else None
+    sampling = None if p is None else {"temperature": p.temperature, "top_k": p.top_k, "top_p": p.top_p,
+                                       "max_new_tokens": p.max_new_tokens}
+    if base is None and sampling is None:
+        return None
+    return G.for_export(base, tokenizer.eos_token_id, tokenizer.bos_token_id, tokenizer.pad_token_id, sampling)
 
 
 class StopFlag:

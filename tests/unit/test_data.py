@@ -232,6 +232,67 @@ def test_chat_rows_need_a_template(tmp_path, tok):
         D.load_examples("sft", cfg(), tok, path, log=None)
 
 
+@pytest.fixture(scope="module")
+def strict_chat_tok(chat_tok):
+    """chat_tok whose template raises, as real ones do, for a role it does not know and for two user turns in a row."""
+    import copy
+
+    t = copy.deepcopy(chat_tok)
+    t.chat_template = (
+        "<bos> {% for m in messages %}"
+        "{% if m['role'] not in ['system', 'user', 'assistant'] %}{{ raise_exception('Unknown role: ' + m['role']) }}"
+        "{% endif %}{% if loop.index0 > 0 and m['role'] == 'user' and messages[loop.index0 - 1]['role'] == 'user' %}"
+        "{{ raise_exception('Conversation roles must alternate user/assistant') }}{% endif %}"
+        "{{ m['role'] }} {{ m['content'] }} <end> {% endfor %}{% if add_generation_prompt %}assistant {% endif %}"
+    )
+    return t
+
+
+@pytest.mark.parametrize("kind", ["sft", "prompt"])
+def test_rows_the_chat_template_cannot_render_are_counted_with_one_warning(tmp_path, strict_chat_tok, kind):
+    ok = {"messages": [{"role": "user", "content": "w1"}, {"role": "assistant", "content": "w2"}]}
+    tool = {"messages": [{"role": "tool", "content": "w3"}, {"role": "assistant", "content": "w4"}]}
+    twice = {"messages": [{"role": "user", "content": "w1"}, {"role": "user", "content": "w5"},
+                          {"role": "assistant", "content": "w6"}]}
+    path = write_lines(tmp_path / "chat.jsonl", [ok, tool, ok, twice, ok])
+    logged = []
+    ds, report = D.load_examples(kind, cfg(max_bad_fraction=0.5), strict_chat_tok, path, log=logged.append)
+    assert len(ds) == report.kept == 3
+    assert report.bad == {"chat template error (TemplateError)": 2}
+    assert report.template_rows == [2, 4]
+    warnings = [line for line in logged if line.startswith("warning:")]
+    assert len(logged) == 2 and len(warnings) == 1 and "\n" not in warnings[0]
+    assert path in warnings[0] and "2 of 5 rows" in warnings[0] and "rows 2, 4" in warnings[0]
+    assert "Unknown role: tool" in warnings[0]  # the template's own error, of the first row it failed on
+    assert "2 malformed skipped (chat template error (TemplateError): 2)" in logged[0]
+
+
+def test_over_the_bad_fraction_the_error_quotes_the_template(tmp_path, strict_chat_tok):
+    ok = {"messages": [{"role": "user", "content": "w1"}]}
+    tool = {"messages": [{"role": "tool", "content": "w3"}]}
+    path = write_lines(tmp_path / "chat.jsonl", [ok, ok, tool])
+    with pytest.raises(D.DataError) as info:
+        D.load_examples("prompt", cfg(max_bad_fraction=0.1), strict_chat_tok, path, log=None)
+    message = str(info.value)
+    assert "\n" not in message and "1 of 3 rows" in message and "row 3: TemplateError: Unknown role: tool" in message
+
+
+@pytest.mark.parametrize("max_bad_fraction", [0.0, 1.0])
+def test_all_rows_bad_is_one_error_naming_what_is_wrong(tmp_path, tok, strict_chat_tok, max_bad_fraction):
+    tool = {"messages": [{"role": "tool", "content": "w3"}]}
+    path = write_lines(tmp_path / "chat.jsonl", [tool, tool])
+    with pytest.raises(D.DataError) as info:
+        D.load_examples("prompt", cfg(max_bad_fraction=max_bad_fraction), strict_chat_tok, path, log=None)
+    message = str(info.value)
+    assert "\n" not in message and message.startswith(f"data {path}: all 2 rows are malformed")
+    assert "row 1: TemplateError: Unknown role: tool" in message and "data.max_seq_len" not in message
+    # other malformed rows too: not the over-long rows' fix (raise data.max_seq_len)
+    path = write_lines(tmp_path / "sft.jsonl", [{"prompt": "sort 1 ="}, {"prompt": "sort 2 ="}])
+    with pytest.raises(D.DataError, match=r"all 2 rows are malformed \(missing response: 2\): fix the data") as info:
+        D.load_examples("sft", cfg(max_bad_fraction=max_bad_fraction), tok, path, log=None)
+    assert "\n" not in str(info.value)
+
+
 # ---------------------------------------------------------------------------------------------
 # Preference and prompt rows
 # ---------------------------------------------------------------------------------------------

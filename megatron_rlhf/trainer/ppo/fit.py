@@ -30,6 +30,7 @@ from megatron_rlhf.checkpoint import state as ckpt
 from megatron_rlhf.parallel.cpu import peak_memory_gib
 from megatron_rlhf.parallel import init
 from megatron_rlhf.config.fields import ConfigError
+from megatron_rlhf.config.generation import GENERATION_CONFIG
 from megatron_rlhf.config.ppo import check_ppo_layout, rollouts_per_iteration
 from megatron_rlhf.rollout.hybrid import make_rollout_engine
 from megatron_rlhf.rollout.offload import PhaseMemory, offloaded
@@ -42,7 +43,7 @@ from megatron_rlhf.trainer.ppo.learn import SkipGuard, TrainingDiverged, learn
 from megatron_rlhf.trainer.ppo.models import build_ppo_models
 from megatron_rlhf.trainer.ppo.ptx import PtxBatches
 from megatron_rlhf.trainer.run import (
-    StopFlag, open_metrics, record_run, resume_point, save_or_stop, start_run, write_json,
+    StopFlag, generation_config, open_metrics, record_run, resume_point, save_or_stop, start_run, write_json,
 )
 
 NAMESPACES = ("ppo", "eval", "time", "perf", "warn")
@@ -216,6 +217,9 @@ def finish(cfg, ctx, m, baseline: Dict[str, float], final: Dict[str, float], sec
         save_hf_from_model(m.policy.chunks, ctx.model_cfg, "lm", out, overwrite=True)
         if ctx.rank0:
             copy_tokenizer_files(Path(cfg.tokenizer.path), Path(out))
+            # After the tokenizer's files, which may hold the source's: transformers then samples the policy
+            # as this run did and stops at the tokenizer's EOS.
+            write_json(os.path.join(out, GENERATION_CONFIG), generation_config(cfg, ctx.tokenizer))
     if ctx.rank0:
         result = summary(baseline or {}, final or {}, {"iterations": cfg.ppo.iterations, "wall_seconds": seconds})
         write_json(os.path.join(run_dir, "summary.json"), result)
