@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import logging
 import os
 import random
 from typing import Dict, Iterable, Iterator, Optional, Sequence, Tuple
@@ -77,17 +78,21 @@ def row_seeds(n: int, uniforms: Optional[torch.Tensor], generator: Optional[torc
 
 @contextlib.contextmanager
 def kept_process_state():
-    """Undo what starting a vLLM engine does to this process: torch's thread count and its
-    `set_num_threads` (the CPU worker makes it a no-op), and the torch / random / numpy RNG states
-    (the workers reseed them)."""
+    """Undo what starting or running a vLLM engine does to this process: torch's thread count and its
+    `set_num_threads` (the CPU worker makes it a no-op), the torch / random / numpy RNG states (the workers
+    reseed them, the sampler draws from them) and the environment (the CPU platform rewrites LD_PRELOAD,
+    LOCAL_WORLD_SIZE and others, which this job's own subprocesses would inherit)."""
     import numpy as np
 
     set_num_threads, threads = torch.set_num_threads, torch.get_num_threads()
     states = torch.get_rng_state(), random.getstate(), np.random.get_state()
     cuda_states = torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None
+    environ = dict(os.environ)
     try:
         yield
     finally:
+        os.environ.clear()
+        os.environ.update(environ)
         torch.set_num_threads = set_num_threads
         torch.set_num_threads(threads)
         torch.set_rng_state(states[0])
@@ -142,6 +147,11 @@ class VLLMRolloutEngine(RolloutEngine):
         os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
         os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")  # not two INFO lines per rank per iteration
         from vllm import LLM
+
+        # Every reload warns that the rotary embedding got no weights: it has none in a checkpoint (vLLM
+        # rebuilds its cos/sin cache from the config and keeps it), so the line says nothing, every iteration.
+        logging.getLogger("vllm.model_executor.model_loader.reload.layerwise").addFilter(
+            lambda record: "RotaryEmbedding: Failed to load weights" not in record.getMessage())
 
         extra = {"data_parallel_size": world // tp} if world > tp else {}
         with kept_process_state():

@@ -130,3 +130,31 @@ def test_vllm_response_packing():
     assert out["response_mask"].tolist() == [[1, 1, 0], [1, 1, 1]]
     assert out["lengths"].tolist() == [2, 3] and out["ended"].tolist() == [True, False]
     assert out["logprobs"][0].tolist() == pytest.approx([-0.5, -1.0, 0.0])
+
+
+def test_kept_process_state_undoes_what_a_vllm_engine_start_does(monkeypatch):
+    """What vLLM's CPU worker does while it starts (a no-op set_num_threads, a reseed, environment rewrites)
+    is undone when the block ends; the thread count and every RNG stream continue as if nothing ran."""
+    import os
+    import random
+
+    import numpy as np
+
+    from megatron_rlhf.rollout.vllm_engine import kept_process_state
+
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
+    monkeypatch.delenv("LD_PRELOAD", raising=False)
+    threads = torch.get_num_threads()
+    expected = torch.Generator().set_state(torch.get_rng_state())
+    with kept_process_state():
+        torch.set_num_threads(threads + 1)
+        torch.set_num_threads = lambda n: None  # the CPU worker's replacement
+        torch.manual_seed(0), random.seed(0), np.random.seed(0)
+        os.environ["LOCAL_WORLD_SIZE"] = "1"
+        os.environ["LD_PRELOAD"] = "libtcmalloc.so"
+    assert torch.get_num_threads() == threads
+    torch.set_num_threads(threads + 1)  # the real function again
+    assert torch.get_num_threads() == threads + 1
+    torch.set_num_threads(threads)
+    assert torch.equal(torch.rand(4), torch.rand(4, generator=expected))
+    assert os.environ["LOCAL_WORLD_SIZE"] == "2" and "LD_PRELOAD" not in os.environ
