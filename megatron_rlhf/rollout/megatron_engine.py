@@ -300,23 +300,6 @@ def _pick(
     if tp_group is not None:
         torch.distributed.broadcast(token, src=torch.distributed.get_global_rank(tp_group, 0), group=tp_group)
     return token, log_probs.gather(-1, token.unsqueeze(-1)).squeeze(-1)
-    if sampling.temperature != 1.0:  # x / 1.0 == x exactly: skip the op, not a result
-        z = z / sampling.temperature
-    if sampling.truncates:
-        z = _truncate(z, sampling.top_k, sampling.top_p)
-    log_probs = torch.log_softmax(z, dim=-1)
-    if True:
-        if u is None:
-            # One uniform per row from `generator` (torch's default one if None), by inverse CDF: the
-            # distribution of torch.multinomial, which instead draws and takes the log of one exponential
-            # per vocabulary id (~20% of a decode step at 128 rows in benchmarks/rollout.py).
-            u = torch.rand(z.shape[0], generator=generator, device=z.device)
-        cdf = log_probs.exp().cumsum(dim=-1)
-        # right=True: the first id whose cdf exceeds the draw, so zero-probability ids are never picked.
-        token = torch.searchsorted(cdf, (u * cdf[:, -1]).unsqueeze(-1), right=True).squeeze(-1).clamp(max=vocab_size - 1)
-    if tp_group is not None:
-        torch.distributed.broadcast(token, src=torch.distributed.get_global_rank(tp_group, 0), group=tp_group)
-    return token, log_probs.gather(-1, token.unsqueeze(-1)).squeeze(-1)
 
 
 def _truncate(z: torch.Tensor, top_k: int, top_p: float) -> torch.Tensor:

@@ -45,11 +45,13 @@ def learning_metrics(row):
     return {k: v for k, v in row.items() if k.split("/")[0] in ("ppo", "eval", "warn")}
 
 
-def test_ppo_raises_the_true_reward_and_iteration_one_is_exact(base, tmp_path):
-    run = tmp_path / "ppo"
+def run_and_check_learning(base, run, **extra) -> dict:
+    """14 PPO iterations from `base` (test_ppo_vllm.py runs them with vLLM): the RM and true rewards rise, KL
+    stays bounded. Returns iteration 1's metrics row."""
     # All 128 held-out prompts: with 64 the sampled true reward moved by +-0.03 from sampling noise alone.
-    torchrun(CLI, *ppo_args(base, run, **{"ppo.iterations": 14, "ppo.eval_interval": 7, "checkpoint.save_interval": 0,
-                                          "ppo.eval_prompts": 128, "train.lr": 2e-4}), nproc=2, timeout=900)
+    torchrun(CLI, *ppo_args(base, run, **extra, **{"ppo.iterations": 14, "ppo.eval_interval": 7,
+                                                   "checkpoint.save_interval": 0, "ppo.eval_prompts": 128,
+                                                   "train.lr": 2e-4}), nproc=2, timeout=900)
     summary = json.loads((run / "summary.json").read_text())
     for key in ("true_reward_sft", "true_reward_ppo", "rm_reward_sft", "rm_reward_ppo", "kl_ppo"):
         assert summary[key] is not None, key
@@ -58,7 +60,12 @@ def test_ppo_raises_the_true_reward_and_iteration_one_is_exact(base, tmp_path):
     assert summary["true_reward_ppo"] > summary["true_reward_sft"] + 0.02, summary
     assert summary["greedy_true_reward_ppo"] > summary["greedy_true_reward_sft"] + 0.05, summary
     assert 0 < summary["kl_ppo"] < 10, summary
-    first = rows(run)[1]
+    return rows(run)[1]
+
+
+def test_ppo_raises_the_true_reward_and_iteration_one_is_exact(base, tmp_path):
+    run = tmp_path / "ppo"
+    first = run_and_check_learning(base, run)
     # Before any update the policy IS the reference: KL exactly 0, PPO ratio exactly 1. The sampler's
     # logprobs come from KV-cache decoding (other kernels): equal to ~1e-7, not to the bit.
     assert first["ppo/kl_per_seq"] == 0.0 and first["ppo/ratio_first_minibatch"] == 1.0
