@@ -1,9 +1,15 @@
-"""Seconds per PPO iteration on the reference shape, the phase split, overhead and length scaling.
+"""Seconds per PPO iteration at a model shape, the phase split, overhead, kernel floor and TRL side by side.
 
-    python benchmarks/ppo_iteration.py            # one process, 2 threads, < 5 minutes; ends with one JSON line
+    python benchmarks/ppo_iteration.py            # reference shape: one process, 2 threads, < 5 minutes
+    python benchmarks/ppo_iteration.py --shape smollm2-135m [--dtype bfloat16]   # the realistic shape (~15 min)
+    ... [--repeats N] [--no-trl] [--profile 25]   # --profile: the top ops of one profiled iteration
+
+Each run ends with one JSON line.
 
 Reference shape (issue "Stage 3, PPO end to end"): Llama hidden 128, 4 layers, 4 heads, 2 query groups,
-FFN 352, vocab 512, fp32; 16 prompts of 8-16 random tokens; 64 new tokens (EOS never ends a response);
+FFN 352, vocab 512, fp32; per-op overhead dominates there. Realistic shape (--shape smollm2-135m):
+SmolLM2-135M (hidden 576, 30 layers, 9 heads, 3 KV heads, FFN 1536, vocab 49152, tied embeddings, random
+weights), where the time is in the kernels. Both: 16 prompts of 8-16 random tokens; 64 new tokens (EOS never ends a response);
 2 minibatches x 4 epochs; one rank. An iteration is exactly the phases `trainer/ppo/fit.py:fit` runs:
 rollout (Megatron KV-cache sampler) -> score_and_recompute (RM, policy, reference, value forwards) ->
 estimate_advantages -> learn (policy and value optimizer steps through Megatron's schedule).
@@ -12,18 +18,21 @@ overhead_fraction: the share of an iteration spent outside model forward passes 
 sampler's lean forward `rollout/lean_decode.py` LeanDecoder.prefill / step),
 backward passes (torch.autograd.backward) and optimizer steps: sampling, data movement, the schedule,
 loss math and everything else of ours. length_scaling_exponent: the log-log slope of iteration time
-for 64 -> 128 -> 256 new tokens (1.0 = linear in the response length). kernel_floor_s_per_iter: the
+for 64 -> 128 -> 256 new tokens (1.0 = linear in the response length; reference shape only). kernel_floor_s_per_iter: the
 seconds one profiled iteration spends inside GEMM and attention kernels alone (torch.profiler self time of
 aten::mm/addmm/bmm and the SDPA kernels): work TRL does too, so `s_per_iter_trl / kernel_floor` bounds
 the speed-up any implementation of the same computation on this machine could reach.
 
 The reference library, side by side: when TRL's PPO is importable (`pip install "trl==1.12.0"`; see
 `trl_reference.py`), the same shape runs through its PPOTrainer in this process after ours, and
-`speedup_vs_trl` = TRL's seconds per iteration / ours. Without it both are null.
+`speedup_vs_trl` = TRL's seconds per iteration / ours. Without it both are null. --dtype bfloat16: ours
+with bf16 parameters (Megatron's mixed-precision optimizer, fp32 main weights), TRL with `bf16=True`
+(accelerate's bf16 autocast over fp32 weights): each library's own bf16 training mode.
 """
 
 from __future__ import annotations
 
+import argparse
 import functools
 import json
 import math
@@ -40,7 +49,9 @@ import torch  # noqa: E402
 
 import trl_reference  # noqa: E402  (benchmarks/ is on sys.path when this file runs as a script)
 
-from shapes import EPOCHS, MINIBATCHES, PROMPTS, SHAPE, random_prompts  # noqa: E402
+from shapes import EPOCHS, MINIBATCHES, PROMPTS, SHAPE, SMOLLM2_135M, random_prompts  # noqa: E402
+
+SHAPES = {"reference": SHAPE, "smollm2-135m": SMOLLM2_135M}
 
 
 @dataclass
@@ -69,7 +80,7 @@ class Clock:
         setattr(owner, name, timed)
 
 
-def setup():
+def setup(shape: dict, dtype: str):
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
     if "MASTER_PORT" not in os.environ:  # a free one: a fixed port may be taken by another run
         import socket
@@ -85,7 +96,7 @@ def setup():
 
     parallel = ParallelConfig()
     init.initialize(parallel, seed=0)
-    return ModelConfig(**SHAPE), parallel
+    return ModelConfig(**shape, params_dtype=dtype), parallel
 
 
 def build(model_cfg, parallel, max_new_tokens: int):
@@ -104,7 +115,8 @@ def build(model_cfg, parallel, max_new_tokens: int):
     reference, reward = build_model(model_cfg, parallel, head="lm"), build_model(model_cfg, parallel, head="scalar")
     ppo = PPOSection(rollout_batch_size=PROMPTS, minibatch_size=PROMPTS // MINIBATCHES, epochs=EPOCHS,
                      max_new_tokens=max_new_tokens)
-    cfg = SimpleNamespace(ppo=ppo, train=SimpleNamespace(seed=0, micro_batch_size=PROMPTS // MINIBATCHES))
+    cfg = SimpleNamespace(ppo=ppo, train=SimpleNamespace(seed=0, micro_batch_size=PROMPTS // MINIBATCHES),
+                          vocab_size=model_cfg.vocab_size)
     return cfg, policy, value, {"policy": policy.chunks, "value": value.chunks, "reference": reference, "reward": reward}
 
 
@@ -123,11 +135,11 @@ def iteration(cfg, engine, policy, value, models, prompts, it: int, timer: dict)
     rows = [ids[i][mask[i]].tolist() for i in range(PROMPTS)]
     exp = build_experience(rows, out, 0)
     marks.append(time.perf_counter())
-    score_and_recompute(exp, models, Frozen(SHAPE["vocab_size"], 1.0), cfg.train.micro_batch_size)
+    score_and_recompute(exp, models, Frozen(cfg.vocab_size, 1.0), cfg.train.micro_batch_size)
     marks.append(time.perf_counter())
     estimate_advantages(exp, 0.05, "k1", 1.0, 0.95, True)
     marks.append(time.perf_counter())
-    learn(policy, value, exp, cfg, iteration=it, dp_rank=0, dp_size=1, vocab_size=SHAPE["vocab_size"],
+    learn(policy, value, exp, cfg, iteration=it, dp_rank=0, dp_size=1, vocab_size=cfg.vocab_size,
           train_policy=True, guard=SkipGuard(3), steps_done={"policy": 0, "value": 0})
     marks.append(time.perf_counter())
     for name, a, b in zip(("rollout", "score", "advantages", "train"), marks, marks[1:]):
@@ -139,20 +151,24 @@ KERNELS = ("aten::mm", "aten::addmm", "aten::bmm", "aten::_scaled_dot_product_fl
            "aten::_scaled_dot_product_flash_attention_for_cpu_backward")
 
 
-def kernel_seconds(run) -> float:
-    """Seconds of `run()` spent inside GEMM and attention kernels (torch.profiler self CPU time)."""
+def kernel_seconds(run, top: int = 0) -> float:
+    """Seconds of `run()` spent inside GEMM and attention kernels (torch.profiler self CPU time); `top` > 0
+    also prints that many ops with the most self time."""
     from torch.profiler import ProfilerActivity, profile
 
     with profile(activities=[ProfilerActivity.CPU]) as prof:
         run()
+    if top:
+        print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=top), flush=True)
     return sum(e.self_cpu_time_total for e in prof.key_averages() if e.key in KERNELS) / 1e6
 
 
-def measure(model_cfg, parallel, max_new_tokens: int, repeats: int, clock: Clock = None, floor: dict = None):
+def measure(model_cfg, parallel, max_new_tokens: int, repeats: int, clock: Clock = None, floor: dict = None,
+            top: int = 0):
     from megatron_rlhf.rollout.megatron_engine import MegatronRolloutEngine
 
     cfg, policy, value, models = build(model_cfg, parallel, max_new_tokens)
-    engine = MegatronRolloutEngine(policy.chunks, eos_id=None, pad_id=0, vocab_size=SHAPE["vocab_size"])
+    engine = MegatronRolloutEngine(policy.chunks, eos_id=None, pad_id=0, vocab_size=model_cfg.vocab_size)
     prompts = random_prompts()
     iteration(cfg, engine, policy, value, models, prompts, 0, {})  # warm-up
     if clock is not None:
@@ -164,19 +180,29 @@ def measure(model_cfg, parallel, max_new_tokens: int, repeats: int, clock: Clock
         print(f"  {max_new_tokens} new tokens, iteration {it}: {times[-1]:.3f} s", flush=True)
     if floor is not None:  # after the timed iterations (the profiler must not slow those), off the clock
         kept = dict(clock.seconds) if clock is not None else None
-        floor["s"] = kernel_seconds(lambda: iteration(cfg, engine, policy, value, models, prompts, repeats + 1, {}))
+        floor["s"] = kernel_seconds(lambda: iteration(cfg, engine, policy, value, models, prompts, repeats + 1, {}), top)
         if kept is not None:
             clock.seconds.update(kept)
     return statistics.median(times), {k: v / repeats for k, v in timer.items()}, sum(times)
 
 
 def main():
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--shape", default="reference", choices=sorted(SHAPES))
+    parser.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"))
+    parser.add_argument("--repeats", type=int, default=None, help="timed iterations (default 5; 2 at smollm2-135m)")
+    parser.add_argument("--no-trl", action="store_true", help="skip TRL's side")
+    parser.add_argument("--profile", type=int, default=0, metavar="N", help="print the N ops with most self time")
+    args = parser.parse_args()
+    reference = args.shape == "reference"
+    repeats = args.repeats or (5 if reference else 2)
     from megatron.core.models.gpt import GPTModel
     from megatron.core.optimizer import optimizer as mopt
 
     from megatron_rlhf.rollout.lean_decode import LeanDecoder
 
-    model_cfg, parallel = setup()
+    shape = SHAPES[args.shape]
+    model_cfg, parallel = setup(shape, args.dtype)
     clock = Clock()
     clock.wrap(GPTModel, "forward", "forward")
     for name in ("prefill", "step"):  # the sampler's forward when it does not go through GPTModel.forward
@@ -185,38 +211,48 @@ def main():
     for cls in (mopt.ChainedOptimizer, mopt.FP32Optimizer, mopt.MixedPrecisionOptimizer):
         clock.wrap(cls, "step", "optimizer")  # outermost call only: a chained step counts once
     floor = {}
-    s_per_iter, phases, total = measure(model_cfg, parallel, 64, repeats=5, clock=clock, floor=floor)
-    model_seconds = {k: v / 5 for k, v in clock.seconds.items()}  # per iteration, before the scaling runs add more
+    s_per_iter, phases, total = measure(model_cfg, parallel, 64, repeats, clock=clock, floor=floor, top=args.profile)
+    model_seconds = {k: v / repeats for k, v in clock.seconds.items()}  # per iteration, before scaling runs add more
     overhead = 1.0 - sum(clock.seconds.values()) / total
-    scaling = {64: s_per_iter}
-    for n in (128, 256):
-        scaling[n] = measure(model_cfg, parallel, n, repeats=2)[0]
-    xs, ys = [math.log(n) for n in scaling], [math.log(t) for t in scaling.values()]
-    mx, my = sum(xs) / len(xs), sum(ys) / len(ys)
-    slope = sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / sum((x - mx) ** 2 for x in xs)
-    print(f"reference shape: {s_per_iter:.3f} s/iteration; phases {', '.join(f'{k} {v:.3f}s' for k, v in phases.items())}")
+    scaling, slope = {64: s_per_iter}, None
+    if reference:  # at the realistic shape one iteration takes about a minute: no length sweep there
+        for n in (128, 256):
+            scaling[n] = measure(model_cfg, parallel, n, repeats=2)[0]
+        xs, ys = [math.log(n) for n in scaling], [math.log(t) for t in scaling.values()]
+        mx, my = sum(xs) / len(xs), sum(ys) / len(ys)
+        slope = sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / sum((x - mx) ** 2 for x in xs)
+    print(f"{args.shape} shape, {args.dtype}: {s_per_iter:.3f} s/iteration; "
+          f"phases {', '.join(f'{k} {v:.3f}s' for k, v in phases.items())}")
     print(f"inside model forward/backward/optimizer: {', '.join(f'{k} {v:.3f}s' for k, v in model_seconds.items())} "
-          f"per iteration; overhead fraction {overhead:.3f}; GEMM + attention kernels alone {floor['s']:.3f}s")
+          f"per iteration; overhead fraction {overhead:.3f}; GEMM + attention kernels alone {floor['s']:.3f}s "
+          f"({floor['s'] / s_per_iter:.0%} of the iteration)")
     trl_s = None
-    if trl_reference.available():
+    if args.no_trl:
+        print("TRL's side skipped (--no-trl)")
+    elif trl_reference.available():
         ids, mask = random_prompts()
         rows = [ids[i][mask[i]].tolist() for i in range(PROMPTS)]
-        trl_s, trl_times = trl_reference.seconds_per_iteration(SHAPE, PROMPTS, MINIBATCHES, EPOCHS, 64, 5, rows)
+        trl_s, trl_times = trl_reference.seconds_per_iteration(shape, PROMPTS, MINIBATCHES, EPOCHS, 64, repeats, rows,
+                                                               bf16=args.dtype == "bfloat16")
         print(f"TRL PPOTrainer, same shape: {trl_s:.3f} s/iteration ({', '.join(f'{t:.3f}' for t in trl_times)}); "
               f"ours is {trl_s / s_per_iter:.2f}x faster; the kernels alone bound it at {trl_s / floor['s']:.2f}x")
     else:
         print("TRL's PPO is not importable here (pip install 'trl==1.12.0'): no side-by-side reference figure")
-    print(f"new tokens -> s/iteration: {', '.join(f'{n}: {t:.3f}' for n, t in scaling.items())}; exponent {slope:.3f}")
+    if reference:
+        print(f"new tokens -> s/iteration: {', '.join(f'{n}: {t:.3f}' for n, t in scaling.items())}; exponent {slope:.3f}")
     print(json.dumps({
-        "s_per_iter_reference_shape": round(s_per_iter, 4),
+        "shape": args.shape,
+        "dtype": args.dtype,
+        "s_per_iter": round(s_per_iter, 4),
         "phase_seconds": {k: round(v, 4) for k, v in phases.items()},
         "model_seconds_per_iter": {k: round(v, 4) for k, v in model_seconds.items()},
         "overhead_fraction": round(overhead, 4),
         "s_per_iter_by_new_tokens": {str(n): round(t, 4) for n, t in scaling.items()},
-        "length_scaling_exponent": round(slope, 4),
+        "length_scaling_exponent": None if slope is None else round(slope, 4),
         "s_per_iter_trl": None if trl_s is None else round(trl_s, 4),
         "speedup_vs_trl": None if trl_s is None else round(trl_s / s_per_iter, 3),
         "kernel_floor_s_per_iter": round(floor["s"], 4),
+        "kernel_fraction": round(floor["s"] / s_per_iter, 4),
         "speedup_bound_vs_trl": None if trl_s is None else round(trl_s / floor["s"], 3),
         "torch_threads": torch.get_num_threads(),
     }))

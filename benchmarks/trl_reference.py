@@ -42,8 +42,11 @@ def _tokenizer(vocab_size: int):
 
 
 def seconds_per_iteration(shape: dict, prompts: int, minibatches: int, epochs: int, new_tokens: int,
-                          repeats: int, prompt_ids: list) -> tuple:
-    """(median seconds per PPO update, every update's seconds) over `repeats` updates after one warm-up."""
+                          repeats: int, prompt_ids: list, bf16: bool = False) -> tuple:
+    """(median seconds per PPO update, every update's seconds) over `repeats` updates after one warm-up.
+
+    `shape`: benchmarks/shapes.py's dict (optional rotary_base, tie_embeddings). `bf16`: TRL's own bf16 mode
+    (`PPOConfig(bf16=True)`: accelerate's autocast over fp32 weights)."""
     from datasets import Dataset
     from transformers import LlamaConfig, LlamaForCausalLM, LlamaForSequenceClassification, TrainerCallback
     from trl.experimental.ppo import PPOConfig, PPOTrainer
@@ -52,7 +55,9 @@ def seconds_per_iteration(shape: dict, prompts: int, minibatches: int, epochs: i
                       num_hidden_layers=shape["num_layers"], num_attention_heads=shape["num_attention_heads"],
                       num_key_value_heads=shape["num_query_groups"], vocab_size=shape["vocab_size"],
                       max_position_embeddings=shape["max_position_embeddings"], pad_token_id=0,
-                      eos_token_id=None, bos_token_id=None, num_labels=1)
+                      eos_token_id=None, bos_token_id=None, num_labels=1,
+                      rope_theta=shape.get("rotary_base", 10000.0),
+                      tie_word_embeddings=shape.get("tie_embeddings", False))
     torch.manual_seed(0)
     policy, reference = LlamaForCausalLM(cfg), LlamaForCausalLM(cfg)
     reward, value = LlamaForSequenceClassification(cfg), LlamaForSequenceClassification(cfg)
@@ -73,7 +78,7 @@ def seconds_per_iteration(shape: dict, prompts: int, minibatches: int, epochs: i
                          response_length=new_tokens, local_rollout_forward_batch_size=prompts,
                          total_episodes=prompts * (repeats + 1), stop_token=None, missing_eos_penalty=None,
                          temperature=1.0, learning_rate=1e-5, num_sample_generations=0, report_to=[],
-                         save_strategy="no", logging_steps=1000, use_cpu=True, bf16=False, fp16=False,
+                         save_strategy="no", logging_steps=1000, use_cpu=True, bf16=bf16, fp16=False,
                          dataloader_drop_last=True, seed=0)
         trainer = PPOTrainer(args=args, processing_class=_tokenizer(shape["vocab_size"]), model=policy,
                              ref_model=reference, reward_model=reward, train_dataset=dataset, value_model=value,

@@ -39,6 +39,7 @@ from megatron_rlhf.checkpoint.damage import (  # noqa: F401 - CheckpointError is
     load_rng_collectively,
     unusable_checkpoint_message,
 )
+from megatron_rlhf.trainer.optim import use_fused_adam
 
 LATEST = "latest"
 _PREFIX = "step_"
@@ -347,6 +348,7 @@ def load_checkpoint(
         _load_into(chunks, loaded[f"model.{name}"], f"{name}.")
         if name in optimizers:
             optimizers[name].load_state_dict(loaded[f"optimizer.{name}"])
+            use_fused_adam(optimizers[name])
     for name, sched in schedulers.items():
         sched.load_state_dict(loaded[f"scheduler.{name}"])
     rng = _load_rng(path) if load_rng else None

@@ -10,6 +10,11 @@ the saved softmax (no collective), which is what Megatron's vocab-parallel cross
 Vocab padding: Megatron pads the vocabulary so every shard is equally wide; pass the true
 `vocab_size` and the padded ids get probability 0 (otherwise their random logits steal mass).
 Statistics are computed in at least fp32 whatever the logits dtype (bf16 -> fp32, fp64 stays fp64).
+
+Cost: at a 49k vocabulary these [b, s, V] passes are the largest non-GEMM work of a PPO iteration, so
+each function makes as few passes over the logits as it can (max, shift, exp, normalise in place; the
+entropy's sum p*z as a batched dot product) and `token_logprobs_and_entropy` serves the policy loss's
+log-probs and its entropy diagnostic from one softmax.
 """
 
 from __future__ import annotations
@@ -74,33 +79,63 @@ def _shard_range(logits: torch.Tensor, group) -> Tuple[int, int]:
 
 
 def _softmax_stats(logits: torch.Tensor, group, vocab_size: Optional[int], temperature: float):
-    """(shifted logits z - max, local softmax p, log of the global sum of exp, padding mask or None).
+    """(shifted logits z = (logits - max) / temperature, local softmax p, log of the global sum of exp,
+    padding mask or None).
 
     z is >= fp32, shifted by the global max for stability; padded ids are -inf in z and 0 in p.
+    Three full-size results are written (z, exp -> p in place); the max is taken over the raw logits
+    (max(x / T) = max(x) / T for T > 0).
     """
-    z = logits.to(torch.promote_types(logits.dtype, torch.float32)) / temperature
     start, end = _shard_range(logits, group)
     padded = None
     if vocab_size is not None and end > vocab_size:
-        padded = torch.arange(start, end, device=z.device) >= vocab_size
-        z = z.masked_fill(padded, float("-inf"))
-    z_max = _all_reduce(z.max(dim=-1).values, group, dist.ReduceOp.MAX)
-    z = z - z_max.unsqueeze(-1)
-    exp = torch.exp(z)
-    sum_exp = _all_reduce(exp.sum(dim=-1), group)
-    return z, exp / sum_exp.unsqueeze(-1), torch.log(sum_exp), padded
+        padded = torch.arange(start, end, device=logits.device) >= vocab_size
+        logits = logits.masked_fill(padded, float("-inf"))
+    z_max = _all_reduce(logits.max(dim=-1).values.to(torch.promote_types(logits.dtype, torch.float32)),
+                        group, dist.ReduceOp.MAX)
+    z = logits - z_max.unsqueeze(-1)  # promotes bf16 logits to fp32
+    if temperature != 1.0:
+        z.mul_(1.0 / temperature)
+    probs = torch.exp(z)
+    sum_exp = _all_reduce(probs.sum(dim=-1), group)
+    probs.div_(sum_exp.unsqueeze(-1))
+    return z, probs, torch.log(sum_exp), padded
+
+
+def _expected_z(probs: torch.Tensor, z: torch.Tensor, padded, group) -> torch.Tensor:
+    """sum_j p_j z_j over the whole vocabulary -> [b, s]; one read of each (a batched dot product)."""
+    if padded is not None:
+        z = z.masked_fill(padded, 0.0)  # p = 0 there; avoid 0 * -inf = NaN
+    v = z.shape[-1]
+    dot = torch.bmm(probs.reshape(-1, 1, v), z.reshape(-1, v, 1)).view(z.shape[:-1])
+    return _all_reduce(dot, group)
+
+
+def token_logprobs_and_entropy(logits: torch.Tensor, labels: torch.Tensor, tp_group=None,
+                               vocab_size: Optional[int] = None, temperature: float = 1.0):
+    """(log-probs [b, s], entropy [b, s]) from one softmax of logits [b, s, V/tp]; labels [b, s].
+
+    The log-probs are differentiable; the entropy is not (a diagnostic: use `token_entropy` to train it).
+    """
+    _check(logits, tp_group, vocab_size, labels)
+    out = {}
+    logp = _VocabParallelLogprob.apply(logits, labels, tp_group, vocab_size, temperature, out)
+    return logp, out["entropy"]
 
 
 class _VocabParallelLogprob(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, logits, labels, group, vocab_size, temperature):
-        z, probs, log_sum_exp, _ = _softmax_stats(logits, group, vocab_size, temperature)
+    def forward(ctx, logits, labels, group, vocab_size, temperature, entropy_out=None):
+        z, probs, log_sum_exp, padded = _softmax_stats(logits, group, vocab_size, temperature)
         start, end = _shard_range(logits, group)
         local = (labels >= start) & (labels < end)
         local_ids = torch.where(local, labels - start, torch.zeros_like(labels))
         picked = torch.gather(z, -1, local_ids.unsqueeze(-1)).squeeze(-1)
         # Only the rank owning the label contributes its logit to the sum.
         picked = _all_reduce(torch.where(local, picked, torch.zeros_like(picked)), group)
+        if entropy_out is not None:  # H = log sum exp(z) - sum_j p_j z_j, from the same softmax
+            entropy_out["entropy"] = log_sum_exp - _expected_z(probs, z, padded, group)
+        del z
         ctx.save_for_backward(probs, local, local_ids)
         ctx.temperature = temperature
         ctx.logits_dtype = logits.dtype
@@ -109,11 +144,11 @@ class _VocabParallelLogprob(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_out):
         probs, local, local_ids = ctx.saved_tensors
-        # d logp[label] / d z_j = 1[j == label] - p_j, for this rank's slice of j.
-        grad = -probs
-        grad.scatter_add_(-1, local_ids.unsqueeze(-1), local.to(grad.dtype).unsqueeze(-1))
-        grad = grad * (grad_out.unsqueeze(-1) / ctx.temperature)
-        return grad.to(ctx.logits_dtype), None, None, None, None
+        # d logp[label] / d logits_j = (1[j == label] - p_j) / T, for this rank's slice of j.
+        scale = (grad_out / ctx.temperature).unsqueeze(-1)
+        grad = probs * -scale
+        grad.scatter_add_(-1, local_ids.unsqueeze(-1), local.to(grad.dtype).unsqueeze(-1) * scale)
+        return grad.to(ctx.logits_dtype), None, None, None, None, None
 
 
 class _VocabParallelEntropy(torch.autograd.Function):
@@ -123,8 +158,7 @@ class _VocabParallelEntropy(torch.autograd.Function):
         if padded is not None:
             z = z.masked_fill(padded, 0.0)  # p = 0 there; avoid 0 * -inf = NaN
         # H = -sum_j p_j log p_j = log sum exp(z) - sum_j p_j z_j
-        expected_z = _all_reduce((probs * z).sum(dim=-1), group)
-        entropy = log_sum_exp - expected_z
+        entropy = log_sum_exp - _expected_z(probs, z, None, group)
         ctx.save_for_backward(probs, z, log_sum_exp, entropy)
         ctx.temperature = temperature
         ctx.logits_dtype = logits.dtype

@@ -6,7 +6,7 @@ TP=2 against TP=1 is tests/distributed/test_algo_distributed.py.
 import pytest
 import torch
 
-from megatron_rlhf.models.logprobs import token_entropy, token_logprobs
+from megatron_rlhf.models.logprobs import token_entropy, token_logprobs, token_logprobs_and_entropy
 
 
 def _logits(seed=0, b=2, s=5, v=11, dtype=torch.float64):
@@ -68,3 +68,30 @@ def test_bad_input_is_one_clear_error():
         token_logprobs(logits, labels, vocab_size=20)
     with pytest.raises(ValueError, match="labels"):
         token_logprobs(logits, labels[:, :3])
+
+
+@pytest.mark.parametrize("vocab_size,temperature,dtype", [(None, 1.0, torch.float64), (8, 0.7, torch.float64),
+                                                          (None, 1.3, torch.bfloat16)])
+def test_fused_logprobs_and_entropy_equal_the_separate_ones(vocab_size, temperature, dtype):
+    logits, labels = _logits(4, v=11, dtype=dtype)
+    labels = labels % (vocab_size or 11)
+    lp, h = token_logprobs_and_entropy(logits, labels, vocab_size=vocab_size, temperature=temperature)
+    assert torch.equal(lp, token_logprobs(logits, labels, vocab_size=vocab_size, temperature=temperature))
+    assert torch.allclose(h, token_entropy(logits, vocab_size=vocab_size, temperature=temperature), atol=1e-6)
+    assert lp.dtype == h.dtype == torch.promote_types(dtype, torch.float32)
+    x = logits.double().requires_grad_()
+    lp, h = token_logprobs_and_entropy(x, labels, vocab_size=vocab_size, temperature=temperature)
+    assert lp.requires_grad and not h.requires_grad  # the entropy is a diagnostic: no graph
+    torch.autograd.gradcheck(lambda y: token_logprobs_and_entropy(y, labels, vocab_size=vocab_size,
+                                                                  temperature=temperature)[0], (x,))
+
+
+def test_at_response_picks_the_predicting_positions():
+    from megatron_rlhf.trainer.ppo.experience import at_response
+
+    out = torch.randn(3, 7, 5, dtype=torch.float64, requires_grad=True)
+    index = torch.tensor([[0, 1, 2], [3, 4, 6], [6, 6, 6]])
+    got = at_response(out, index)
+    want = out.gather(1, index.unsqueeze(-1).expand(-1, -1, 5))
+    assert torch.equal(got, want)
+    torch.autograd.gradcheck(lambda y: at_response(y, index), (out,))

@@ -22,7 +22,7 @@ from megatron_rlhf.algo.correction import correction_weights
 from megatron_rlhf.algo.rewards import penalize_missing_eos, shaped_rewards
 from megatron_rlhf.trainer.ppo.batch import Experience
 from megatron_rlhf.models import heads
-from megatron_rlhf.models.logprobs import token_entropy, token_logprobs
+from megatron_rlhf.models.logprobs import token_entropy, token_logprobs, token_logprobs_and_entropy
 from megatron_rlhf.trainer.step import position_ids_for, run_schedule
 
 Batch = Dict[str, torch.Tensor]
@@ -47,14 +47,26 @@ def tp_group():
 
 
 def at_response(output: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
-    """output [b, S, X], index [b, T] -> [b, T, X]: the outputs at each response token's predicting position."""
-    return output.gather(1, index.unsqueeze(-1).expand(-1, -1, output.shape[-1]))
+    """output [b, S, X], index [b, T] -> [b, T, X]: the outputs at each response token's predicting position.
+
+    Whole rows are picked (index_select on [b * S, X]), not elements: `gather` with an index expanded over a
+    49k vocabulary reads an int64 index per logit and was the slowest [b, T, V] pass of the policy loss."""
+    b, S, X = output.shape
+    rows = (index + S * torch.arange(b, device=index.device).unsqueeze(1)).reshape(-1)
+    return output.reshape(b * S, X).index_select(0, rows).view(b, index.shape[1], X)
 
 
 def response_logprobs(logits: torch.Tensor, mb: Batch, vocab_size: int, temperature: float) -> torch.Tensor:
     """Vocab-parallel logits [b, S, V/tp] -> log-probs [b, T] of the response tokens (padded ids excluded)."""
     z = at_response(logits, mb["response_index"])
     return token_logprobs(z, mb["response_ids"], tp_group(), vocab_size, temperature)
+
+
+def response_logprobs_and_entropy(logits: torch.Tensor, mb: Batch, vocab_size: int, temperature: float):
+    """Vocab-parallel logits [b, S, V/tp] -> (log-probs [b, T], entropy [b, T], not differentiable) of the
+    response tokens, from one softmax."""
+    z = at_response(logits, mb["response_index"])
+    return token_logprobs_and_entropy(z, mb["response_ids"], tp_group(), vocab_size, temperature)
 
 
 def response_entropy(logits: torch.Tensor, mb: Batch, vocab_size: int, temperature: float) -> torch.Tensor:

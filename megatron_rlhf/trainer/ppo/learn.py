@@ -20,7 +20,8 @@ import torch
 from megatron_rlhf.algo.correction import correction_weights
 from megatron_rlhf.algo.losses import entropy_bonus, kl_penalty, policy_loss, value_loss
 from megatron_rlhf.trainer.ppo.batch import Experience
-from megatron_rlhf.trainer.ppo.experience import response_entropy, response_logprobs, response_values
+from megatron_rlhf.trainer.ppo.experience import (response_entropy, response_logprobs, response_logprobs_and_entropy,
+                                                  response_values)
 from megatron_rlhf.trainer.ppo.ptx import PtxBatches, ptx_loss, with_scale
 from megatron_rlhf.trainer.run import Trainable
 from megatron_rlhf.trainer.step import make_forward_step, train_step
@@ -57,7 +58,11 @@ def policy_loss_fn(vocab_size: int, temperature: float, clip_eps: float, entropy
 
     def ppo_policy_loss(logits, mb):
         mask = mb["response_mask"]
-        logp = response_logprobs(logits, mb, vocab_size, temperature)
+        if entropy_coef > 0:  # the entropy is trained: its own differentiable pass
+            logp = response_logprobs(logits, mb, vocab_size, temperature)
+            entropy = response_entropy(logits, mb, vocab_size, temperature)
+        else:  # a diagnostic only: from the log-probs' softmax, no graph, no backward cost
+            logp, entropy = response_logprobs_and_entropy(logits, mb, vocab_size, temperature)
         weights = None
         if correction[0] != "none":
             weights, _ = correction_weights(mb["logprobs"], mb["sampler_logprobs"], mask, *correction)
@@ -68,12 +73,8 @@ def policy_loss_fn(vocab_size: int, temperature: float, clip_eps: float, entropy
             loss_sum = loss_sum + kl_coef * kl_sum
             stats["kl_loss_term"] = (k["kl_loss_term"], s["tokens"])
         if entropy_coef > 0:
-            entropy = response_entropy(logits, mb, vocab_size, temperature)
             bonus, _ = entropy_bonus(entropy, mask)
             loss_sum = loss_sum + entropy_coef * bonus
-        else:
-            with torch.no_grad():  # a diagnostic only: no graph, no backward cost
-                entropy = response_entropy(logits, mb, vocab_size, temperature)
         if poison.get("now"):
             loss_sum = loss_sum * float("nan")
         n = s["tokens"]
