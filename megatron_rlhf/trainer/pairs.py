@@ -1,4 +1,5 @@
-"""Preference pairs for the tiny sort-digits task from two samples of the SFT policy per prompt.
+"""Preference pairs from two samples of the SFT policy per prompt, labelled by a gold scorer (default: the
+tiny sort-digits task's true score).
 
 The reward model should learn to rank what the policy actually produces, so its pairs are drawn
 from the SFT policy itself (tiny-task.md): two samples per prompt, labelled by the noisy
@@ -23,6 +24,14 @@ A response is its sampled tokens before the first EOS, as words; one that never 
 --max-new-tokens is kept (all its --max-new-tokens words) and has true score -1
 (`sort_digits.score_tokens`). The same seed, prompts
 and layout (number of data-parallel ranks) give the same file.
+
+Another task (``--gold-scorer module:function``, the `ppo.gold_scorer` contract: (prompt texts, response
+texts) -> scores; e.g. ``megatron_rlhf.tasks.chat_sort:gold_scores``): prompts may be chat rows (``messages``,
+rendered with the tokenizer's chat template and the generation prompt). A response is then its tokens before
+the first EOS decoded as text; the scorer sees what the PPO stage gives it: the prompt decoded without special
+tokens, the response with the EOS token's text appended when it emitted EOS. The rows' ``prompt`` is the
+rendered prompt with its special tokens (chat markup), which the preference loader tokenizes back to the
+same ids, so the reward model trains on the token sequences PPO will show it.
 """
 
 from __future__ import annotations
@@ -35,20 +44,22 @@ from typing import Dict, List, Optional, Sequence, Tuple
 
 import torch
 
+from megatron_rlhf.config.fields import ConfigError
 from megatron_rlhf.tasks import sort_digits
 
 Row = Dict[str, object]
+TINY_SCORER = "megatron_rlhf.tasks.sort_digits:gold_scores"
 
 
 def _parse(argv: Optional[Sequence[str]]) -> argparse.Namespace:
     p = argparse.ArgumentParser(
         prog="megatron-rlhf tiny-pairs",
-        description="Preference pairs for the tiny task: two SFT-policy samples per prompt, labelled by the "
-        "noisy Bradley-Terry rule on the true score. Run under torchrun (pp=1).",
+        description="Preference pairs: two SFT-policy samples per prompt, labelled by the noisy Bradley-Terry "
+        "rule on the true score (--gold-scorer; default the tiny task's). Run under torchrun (pp=1).",
     )
     p.add_argument("--policy", required=True, help="SFT training checkpoint (root with 'latest', or a step directory)")
-    p.add_argument("--prompts", required=True, help="prompt-only jsonl (field 'prompt')")
-    p.add_argument("--tokenizer", required=True, help="tokenizer directory (prepare-tiny's tokenizer/)")
+    p.add_argument("--prompts", required=True, help="prompt-only jsonl (field 'prompt', or chat rows with 'messages')")
+    p.add_argument("--tokenizer", required=True, help="tokenizer directory (prepare-tiny's tokenizer/, a converted checkpoint's)")
     # Not "--num": torchrun's parser would take it for an abbreviation of its own --numa-binding.
     p.add_argument("--num-pairs", type=int, required=True, help="pairs to write (prompt i %% len(prompts) for pair i)")
     p.add_argument("--out", required=True, help="output jsonl: prompt, chosen, rejected")
@@ -64,7 +75,12 @@ def _parse(argv: Optional[Sequence[str]]) -> argparse.Namespace:
                    help="label noise: P(a chosen) = sigmoid(sharpness * (score_a - score_b)); 1e9 = noise-free labels")
     p.add_argument("--keep-ties", action="store_true",
                    help="also keep pairs with equal true scores (labelled by a coin flip)")
+    p.add_argument("--gold-scorer", default=TINY_SCORER,
+                   help="'module:function' (prompt texts, response texts) -> true scores, as ppo.gold_scorer "
+                   "(default: the tiny task's; another one reads prompts as text or chat rows and responses as text)")
     args = p.parse_args(list(argv) if argv is not None else None)
+    if ":" not in args.gold_scorer:
+        p.error(f"--gold-scorer {args.gold_scorer!r} must be 'module:function', e.g. {TINY_SCORER}")
     for name in ("num_pairs", "tp", "batch_size", "max_new_tokens", "max_tries"):
         if getattr(args, name) < 1:
             p.error(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
@@ -98,20 +114,73 @@ def response_text(ids: Sequence[int], eos_id: int, tokenizer) -> Tuple[str, bool
 Response = Tuple[str, bool]  # (text, finished)
 
 
-def score(prompt: str, response: Response) -> float:
-    return sort_digits.true_score(prompt, response[0], response[1])
+class Scoring:
+    """How prompts and responses become text and true scores: the tiny task's words and true score, or
+    text through the tokenizer and any gold scorer (`--gold-scorer`, see the module docstring)."""
+
+    def __init__(self, spec: str, tokenizer):
+        self.tiny, self.spec, self.tok = spec == TINY_SCORER, spec, tokenizer
+        self.fn, self._cache = None, {}
+        if not self.tiny:
+            import importlib
+
+            module, _, name = spec.partition(":")
+            try:
+                self.fn = getattr(importlib.import_module(module), name)
+            except Exception as e:  # noqa: BLE001 - ImportError, AttributeError, any error of its module
+                raise ConfigError(f"--gold-scorer {spec!r} cannot be imported ({type(e).__name__}: {e}): "
+                                 "give an importable 'module:function'") from None
+
+    def prompt(self, ids: Sequence[int]) -> str:
+        """Prompt ids -> the text written in the rows: one the preference loader (which tokenizes it with the
+        tokenizer's special tokens) turns back into `ids`. Chat markup stays (the rendered template); a BOS the
+        tokenizer adds itself goes. Neither reproducing the ids (a template whose text does not re-tokenize to
+        its ids) leaves the markup in."""
+        ids = [int(i) for i in ids]
+        if self.tiny:
+            return self.tok.decode(ids, skip_special_tokens=True).strip()
+        texts = (self.tok.decode(ids, skip_special_tokens=False), self.tok.decode(ids, skip_special_tokens=True).strip())
+        return next((t for t in texts if list(self.tok(t, add_special_tokens=True)["input_ids"]) == ids), texts[0])
+
+    def response(self, ids: Sequence[int]) -> Response:
+        if self.tiny:
+            return response_text(ids, self.tok.eos_token_id, self.tok)
+        ids = [int(i) for i in ids]
+        finished = self.tok.eos_token_id in ids
+        if finished:
+            ids = ids[: ids.index(self.tok.eos_token_id)]
+        return self.tok.decode(ids, skip_special_tokens=False), finished
+
+    def score(self, prompt: str, response: Response) -> float:
+        if self.tiny:
+            return sort_digits.true_score(prompt, response[0], response[1])
+        key = (prompt, response)
+        if key not in self._cache:
+            # What PPO's gold scorer sees: the prompt without special tokens, the response with EOS when finished.
+            plain = self.tok.decode(self.tok(prompt, add_special_tokens=False)["input_ids"], skip_special_tokens=True)
+            text = response[0] + (self.tok.eos_token if response[1] else "")
+            try:
+                value = float(list(self.fn([plain], [text]))[0])
+            except Exception as e:  # noqa: BLE001 - any failure of user code, with the pair it failed on
+                raise ConfigError(f"--gold-scorer {self.spec} failed on prompt {plain!r} (response {text!r}): "
+                                 f"{type(e).__name__}: {e}: it must return one finite number per pair") from None
+            if value != value or value in (float("inf"), float("-inf")):
+                raise ConfigError(f"--gold-scorer {self.spec} returned {value} for prompt {plain!r}: "
+                                 "it must return one finite number per pair")
+            self._cache[key] = value
+        return self._cache[key]
+
+    def usable(self, prompt: str, a: Response, b: Response, keep_ties: bool = False) -> bool:
+        """Whether two responses make a preference row. Identical or empty ones (EOS right away) cannot
+        be written: the RM data loader rejects them as malformed. Equal true scores (both dropped the last
+        digit, say: common) carry no preference; the label is a coin flip that caps held-out accuracy."""
+        if a[0] == b[0] or not a[0].strip() or not b[0].strip():
+            return False
+        return keep_ties or self.score(prompt, a) != self.score(prompt, b)
 
 
-def usable(prompt: str, a: Response, b: Response, keep_ties: bool = False) -> bool:
-    """Whether two responses make a preference row. Identical or empty ones (EOS right away) cannot
-    be written: the RM data loader rejects them as malformed. Equal true scores (both dropped the last
-    digit, say: common) carry no preference; the label is a coin flip that caps held-out accuracy."""
-    if a[0] == b[0] or not a[0].strip() or not b[0].strip():
-        return False
-    return keep_ties or score(prompt, a) != score(prompt, b)
-
-
-def _sample_round(policy, prompts, todo: List[int], args, tokenizer, vocab_size: int, generator) -> Dict[int, Tuple]:
+def _sample_round(policy, prompts, todo: List[int], args, tokenizer, vocab_size: int, generator,
+                  scoring: Scoring) -> Dict[int, Tuple]:
     """Two samples for each pair index in `todo` -> {pair: (prompt, (text_a, fin_a), (text_b, fin_b))}."""
     from megatron_rlhf.rollout.megatron_engine import generate_for_prompts
 
@@ -123,21 +192,18 @@ def _sample_round(policy, prompts, todo: List[int], args, tokenizer, vocab_size:
                                    max_new_tokens=args.max_new_tokens, temperature=args.temperature,
                                    generator=generator)
         for k, i in enumerate(pairs):
-            text = tokenizer.decode(examples[2 * k]["prompt_ids"], skip_special_tokens=True).strip()
+            text = scoring.prompt(examples[2 * k]["prompt_ids"])
             # lengths cut off the pad filler generate() writes after a response ends.
-            a, b = (
-                response_text(gen["response_ids"][r, : int(gen["lengths"][r])].tolist(), tokenizer.eos_token_id, tokenizer)
-                for r in (2 * k, 2 * k + 1)
-            )
+            a, b = (scoring.response(gen["response_ids"][r, : int(gen["lengths"][r])].tolist()) for r in (2 * k, 2 * k + 1))
             out[i] = (text, a, b)
     return out
 
 
-def _label(i: int, prompt: str, a: Response, b: Response, seed: int, sharpness: float) -> Row:
+def _label(i: int, prompt: str, a: Response, b: Response, seed: int, sharpness: float, scoring: Scoring) -> Row:
     # One RNG per pair: the label of pair i does not depend on how pairs were split over ranks.
     rng = random.Random(f"{seed}/label/{i}")
-    chosen, rejected = sort_digits.label_pair(prompt, a[0], b[0], rng, finished_a=a[1], finished_b=b[1],
-                                                sharpness=sharpness)
+    a_first = sort_digits.prefer_first(scoring.score(prompt, a), scoring.score(prompt, b), rng, sharpness)
+    chosen, rejected = (a[0], b[0]) if a_first else (b[0], a[0])
     return {"index": i, "row": {"prompt": prompt, "chosen": chosen, "rejected": rejected},
             "unfinished": int(not a[1]) + int(not b[1])}
 
@@ -181,6 +247,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             print(note, flush=True)
         tokenizer = T.load_tokenizer(args.tokenizer)
         T.check_vocab(tokenizer, model_cfg.vocab_size)
+        scoring = Scoring(args.gold_scorer, tokenizer)
         # Prompts longer than the model can continue by max_new_tokens are dropped (the load report says so).
         data_cfg = C.DataConfig(train_path=args.prompts, overlong="drop",
                                 max_seq_len=model_cfg.max_position_embeddings - args.max_new_tokens + 1)
@@ -197,11 +264,11 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         for round_ in range(args.max_tries):
             if not todo:
                 break
-            sampled = _sample_round(policy, prompts, todo, args, tokenizer, model_cfg.vocab_size, generator)
+            sampled = _sample_round(policy, prompts, todo, args, tokenizer, model_cfg.vocab_size, generator, scoring)
             if round_ == 0:
-                first_differ = sum(score(p, a) != score(p, b) for p, a, b in sampled.values())
-            retry = {i for i in todo if not usable(*sampled[i], keep_ties=args.keep_ties)}
-            mine += [_label(i, *sampled[i], args.seed, args.sharpness) for i in todo if i not in retry]
+                first_differ = sum(scoring.score(p, a) != scoring.score(p, b) for p, a, b in sampled.values())
+            retry = {i for i in todo if not scoring.usable(*sampled[i], keep_ties=args.keep_ties)}
+            mine += [_label(i, *sampled[i], args.seed, args.sharpness, scoring) for i in todo if i not in retry]
             todo = [i for i in todo if i in retry]
         stats = (len(todo), first_differ)
 

