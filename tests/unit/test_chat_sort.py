@@ -75,3 +75,34 @@ def test_prepare_chat_sort_rejects_bad_counts(tmp_path, capsys):
     with pytest.raises(SystemExit):
         chat_sort.main([str(tmp_path), "--num-prompts", "0"])
     assert "--num-prompts must be >= 1" in capsys.readouterr().err
+
+
+def test_pairs_gold_scorer_errors_are_one_line_naming_the_option():
+    from megatron_rlhf.config.fields import ConfigError
+    from megatron_rlhf.trainer import pairs
+
+    tok = sort_digits.build_tokenizer()
+    with pytest.raises(ConfigError, match="--gold-scorer 'no_such_module:f' cannot be imported"):
+        pairs.Scoring("no_such_module:f", tok)
+    broken = pairs.Scoring("megatron_rlhf.tasks.chat_sort:gold_scores", tok)  # tiny prompts are no chat-sort prompts
+    with pytest.raises(ConfigError, match="failed on prompt 'sort 1 2 =' .*not a chat-sort prompt"):
+        broken.score("sort 1 2 =", ("1 2", True))
+    with pytest.raises(SystemExit):
+        pairs._parse(["--policy", "p", "--prompts", "q", "--tokenizer", "t", "--num-pairs", "1", "--out", "o",
+                      "--gold-scorer", "no_colon"])
+
+
+def test_pairs_text_scoring_appends_the_eos_text_when_finished():
+    from megatron_rlhf.trainer import pairs
+
+    tok = sort_digits.build_tokenizer()
+    seen = []
+    scoring = pairs.Scoring("megatron_rlhf.tasks.chat_sort:gold_scores", tok)
+    scoring.fn = lambda p, r: seen.append((p, r)) or [0.5]
+    ids = tok("sort 2 1 =")["input_ids"]  # <bos> sort 2 1 =
+    prompt = scoring.prompt(ids)
+    assert prompt == "sort 2 1 =" and list(tok(prompt)["input_ids"]) == ids  # the BOS the tokenizer adds goes
+    answer = scoring.response(tok("1 2", add_special_tokens=False)["input_ids"] + [sort_digits.EOS_ID])
+    assert answer == ("1 2", True)
+    assert scoring.score(prompt, answer) == 0.5 and scoring.score(prompt, ("1 2", False)) == 0.5
+    assert seen == [(["sort 2 1 ="], ["1 2<eos>"]), (["sort 2 1 ="], ["1 2"])]
