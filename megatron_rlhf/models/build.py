@@ -37,6 +37,9 @@ def build_model_chunk(
     from megatron.core import parallel_state
     from megatron.core.models.gpt import GPTModel
 
+    from megatron_rlhf.models import rope as rope_kernel
+
+    rope_kernel.install()  # Megatron's unfused RoPE in fewer passes, same results (models/rope.py)
     config = config or transformer_config(model, parallel, fp8)
     rope = model.rope_scaling or {}
     scalar = head == "scalar"

@@ -12,9 +12,9 @@ Vocab padding: Megatron pads the vocabulary so every shard is equally wide; pass
 Statistics are computed in at least fp32 whatever the logits dtype (bf16 -> fp32, fp64 stays fp64).
 
 Cost: at a 49k vocabulary these [b, s, V] passes are the largest non-GEMM work of a PPO iteration, so
-each function makes as few passes over the logits as it can (max, shift, exp, normalise in place; the
-entropy's sum p*z as a batched dot product) and `token_logprobs_and_entropy` serves the policy loss's
-log-probs and its entropy diagnostic from one softmax.
+the log-prob kernel works on blocks of rows that fit in cache (no [b, s, V] temporaries; the backward
+recomputes the softmax from the saved logits), and `token_logprobs_and_entropy` serves the policy loss's
+log-probs and its entropy diagnostic from the same pass.
 """
 
 from __future__ import annotations
@@ -123,32 +123,81 @@ def token_logprobs_and_entropy(logits: torch.Tensor, labels: torch.Tensor, tp_gr
     return logp, out["entropy"]
 
 
+CHUNK_BYTES = 1 << 21  # rows per block of the log-prob kernel: about 2 MB of fp32, so a block stays in cache
+
+
+def _row_blocks(rows: int, width: int):
+    step = max(1, CHUNK_BYTES // (4 * max(width, 1)))
+    return [(i, min(i + step, rows)) for i in range(0, rows, step)]
+
+
+def _shifted(block: torch.Tensor, row_max: torch.Tensor, temperature: float, padded) -> torch.Tensor:
+    """(logits - max) / T in >= fp32 for one block of rows [n, V]; padded ids -inf. A new tensor."""
+    z = block - row_max.unsqueeze(-1)  # promotes bf16 logits to fp32
+    if temperature != 1.0:
+        z.mul_(1.0 / temperature)
+    if padded is not None:
+        z.masked_fill_(padded, float("-inf"))
+    return z
+
+
 class _VocabParallelLogprob(torch.autograd.Function):
+    """log softmax(logits / T)[label], computed block by block of rows so the [rows, V] temporaries stay in
+    cache: the forward reads the logits twice (max, then exp-sum) and writes nothing of their size; the
+    backward recomputes the softmax from the saved logits and writes the gradient once. (Saving the
+    softmax instead would write and read it once more.)"""
+
     @staticmethod
     def forward(ctx, logits, labels, group, vocab_size, temperature, entropy_out=None):
-        z, probs, log_sum_exp, padded = _softmax_stats(logits, group, vocab_size, temperature)
+        V = logits.shape[-1]
+        flat = logits.reshape(-1, V)
+        stat_dtype = torch.promote_types(logits.dtype, torch.float32)
         start, end = _shard_range(logits, group)
+        padded = None
+        if vocab_size is not None and end > vocab_size:
+            padded = torch.arange(start, end, device=logits.device) >= vocab_size
+        row_max = (flat if padded is None else flat.masked_fill(padded, float("-inf"))).amax(-1).to(stat_dtype)
+        row_max = _all_reduce(row_max, group, dist.ReduceOp.MAX)
+        sum_exp = torch.empty(flat.shape[0], dtype=stat_dtype, device=logits.device)
+        sum_ez = torch.empty_like(sum_exp) if entropy_out is not None else None
+        for i, j in _row_blocks(flat.shape[0], V):
+            z = _shifted(flat[i:j], row_max[i:j], temperature, padded)
+            e = torch.exp(z)
+            sum_exp[i:j] = e.sum(-1)
+            if sum_ez is not None:  # sum_j e_j z_j, the entropy's expectation before normalising
+                if padded is not None:
+                    z.masked_fill_(padded, 0.0)  # e = 0 there; avoid 0 * -inf = NaN
+                sum_ez[i:j] = torch.bmm(e.unsqueeze(1), z.unsqueeze(2)).view(-1)
+        sum_exp = _all_reduce(sum_exp, group)
+        log_sum_exp = torch.log(sum_exp)
         local = (labels >= start) & (labels < end)
-        local_ids = torch.where(local, labels - start, torch.zeros_like(labels))
-        picked = torch.gather(z, -1, local_ids.unsqueeze(-1)).squeeze(-1)
+        local_ids = torch.where(local, labels - start, torch.zeros_like(labels)).reshape(-1)
+        picked = flat.gather(-1, local_ids.unsqueeze(-1)).squeeze(-1).to(stat_dtype)
+        picked = (picked - row_max) / temperature
         # Only the rank owning the label contributes its logit to the sum.
-        picked = _all_reduce(torch.where(local, picked, torch.zeros_like(picked)), group)
-        if entropy_out is not None:  # H = log sum exp(z) - sum_j p_j z_j, from the same softmax
-            entropy_out["entropy"] = log_sum_exp - _expected_z(probs, z, padded, group)
-        del z
-        ctx.save_for_backward(probs, local, local_ids)
-        ctx.temperature = temperature
-        ctx.logits_dtype = logits.dtype
-        return picked - log_sum_exp
+        picked = _all_reduce(torch.where(local.reshape(-1), picked, torch.zeros_like(picked)), group)
+        if entropy_out is not None:  # H = log sum exp(z) - sum_j p_j z_j, from the same pass
+            entropy_out["entropy"] = (log_sum_exp - _all_reduce(sum_ez, group) / sum_exp).view(labels.shape)
+        ctx.save_for_backward(logits, row_max, log_sum_exp, local, local_ids)
+        ctx.temperature, ctx.padded = temperature, padded
+        return (picked - log_sum_exp).view(labels.shape)
 
     @staticmethod
     def backward(ctx, grad_out):
-        probs, local, local_ids = ctx.saved_tensors
+        logits, row_max, log_sum_exp, local, local_ids = ctx.saved_tensors
+        V = logits.shape[-1]
+        flat = logits.reshape(-1, V)
         # d logp[label] / d logits_j = (1[j == label] - p_j) / T, for this rank's slice of j.
-        scale = (grad_out / ctx.temperature).unsqueeze(-1)
-        grad = probs * -scale
-        grad.scatter_add_(-1, local_ids.unsqueeze(-1), local.to(grad.dtype).unsqueeze(-1) * scale)
-        return grad.to(ctx.logits_dtype), None, None, None, None, None
+        scale = (grad_out.reshape(-1) / ctx.temperature).to(log_sum_exp.dtype)
+        onehot = (local.reshape(-1).to(scale.dtype) * scale).unsqueeze(-1)
+        grad = torch.empty(flat.shape, dtype=logits.dtype, device=logits.device)
+        for i, j in _row_blocks(flat.shape[0], V):
+            p = _shifted(flat[i:j], row_max[i:j], ctx.temperature, ctx.padded)
+            p.sub_(log_sum_exp[i:j].unsqueeze(-1)).exp_()
+            p.mul_(-scale[i:j].unsqueeze(-1))
+            p.scatter_add_(-1, local_ids[i:j].unsqueeze(-1), onehot[i:j])
+            grad[i:j] = p
+        return grad.view(logits.shape), None, None, None, None, None
 
 
 class _VocabParallelEntropy(torch.autograd.Function):

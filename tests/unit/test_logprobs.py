@@ -95,3 +95,17 @@ def test_at_response_picks_the_predicting_positions():
     want = out.gather(1, index.unsqueeze(-1).expand(-1, -1, 5))
     assert torch.equal(got, want)
     torch.autograd.gradcheck(lambda y: at_response(y, index), (out,))
+
+
+def test_row_blocks_give_the_same_values_and_gradients(monkeypatch):
+    """The kernel works on blocks of rows (CHUNK_BYTES): many small blocks equal log_softmax and pass gradcheck."""
+    from megatron_rlhf.models import logprobs
+
+    monkeypatch.setattr(logprobs, "CHUNK_BYTES", 3 * 4 * 11)  # 3 rows of 11 logits per block: 4 blocks for 10 rows
+    logits, labels = _logits(5, v=11)
+    ref = torch.log_softmax(logits / 0.8, -1)
+    lp, h = token_logprobs_and_entropy(logits, labels, temperature=0.8)
+    assert torch.allclose(lp, ref.gather(-1, labels[..., None])[..., 0], atol=1e-10)
+    assert torch.allclose(h, -(ref.exp() * ref).sum(-1), atol=1e-10)
+    x = logits.clone().requires_grad_()
+    torch.autograd.gradcheck(lambda y: token_logprobs(y, labels, vocab_size=9, temperature=0.8), (x,))
