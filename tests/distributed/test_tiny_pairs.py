@@ -1,7 +1,8 @@
 """`tiny-pairs` on 2 gloo ranks (dp=2): preference pairs sampled from a (briefly trained) SFT policy.
 
 Checks the rows (count, fields, prompt order, prompts reused past the end of the file), that the same
-seed gives the same file, and that labels follow the true score when the two scores are far apart.
+seed gives the same file, and that labels follow the true score when the two scores are far apart; and
+the `--gold-scorer` path (text responses, chat prompts rendered by a chat template) against it.
 """
 
 import json
@@ -38,12 +39,39 @@ def policy(tmp_path_factory):
     return d
 
 
-def _pairs(d, out, seed=5):
+def _pairs(d, out, seed=5, prompts="prompts.jsonl", tokenizer="tokenizer", extra=()):
     return torchrun(
-        CLI, "tiny-pairs", "--policy", d / "sft" / "checkpoints", "--prompts", d / "prompts.jsonl",
-        "--tokenizer", d / "tokenizer", "--num-pairs", NUM_PAIRS, "--out", out, "--seed", seed,
-        "--batch-size", 8, "--max-new-tokens", MAX_NEW, nproc=2,
+        CLI, "tiny-pairs", "--policy", d / "sft" / "checkpoints", "--prompts", d / prompts,
+        "--tokenizer", d / tokenizer, "--num-pairs", NUM_PAIRS, "--out", out, "--seed", seed,
+        "--batch-size", 8, "--max-new-tokens", MAX_NEW, *extra, nproc=2,
     )
+
+
+def gold_scores(prompts, responses):
+    """A gold scorer in the `ppo.gold_scorer` contract over text: the tiny true score of the decoded response
+    (the EOS token's text, appended when the response finished, made a word of its own)."""
+    return sort_digits.gold_scores(prompts, [r.replace("<eos>", " <eos>") for r in responses])
+
+
+def test_gold_scorer_with_chat_prompts_writes_the_tiny_file(policy, tmp_path):
+    """Chat rows through a chat template that renders the same ids as the plain prompts, scored by a text
+    scorer that gives the tiny true score: the same samples, scores and labels, so the same file, with the
+    prompts written as text the preference loader tokenizes back to the sampled ids (the BOS it adds itself
+    left out)."""
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(policy / "tokenizer")
+    tok.chat_template = "<bos>{% for m in messages %}{{ m['content'] }}{% endfor %}"
+    tok.save_pretrained(policy / "chat_tokenizer")
+    rows = _jsonl(policy / "prompts.jsonl")
+    (policy / "chat_prompts.jsonl").write_text(
+        "".join(json.dumps({"messages": [{"role": "user", "content": r["prompt"]}]}) + "\n" for r in rows))
+    plain, chat = tmp_path / "plain.jsonl", tmp_path / "chat.jsonl"
+    _pairs(policy, plain)
+    proc = _pairs(policy, chat, prompts="chat_prompts.jsonl", tokenizer="chat_tokenizer",
+                  extra=("--gold-scorer", f"{__name__}:gold_scores"))
+    assert "tiny-pairs: wrote" in proc.stdout, proc.stdout[-2000:]
+    assert chat.read_bytes() == plain.read_bytes()
 
 
 def test_tiny_pairs_rows_order_determinism_and_labels(policy, tmp_path):
