@@ -102,10 +102,9 @@ def _softmax_stats(logits: torch.Tensor, group, vocab_size: Optional[int], tempe
     return z, probs, torch.log(sum_exp), padded
 
 
-def _expected_z(probs: torch.Tensor, z: torch.Tensor, padded, group) -> torch.Tensor:
-    """sum_j p_j z_j over the whole vocabulary -> [b, s]; one read of each (a batched dot product)."""
-    if padded is not None:
-        z = z.masked_fill(padded, 0.0)  # p = 0 there; avoid 0 * -inf = NaN
+def _expected_z(probs: torch.Tensor, z: torch.Tensor, group) -> torch.Tensor:
+    """sum_j p_j z_j over the whole vocabulary -> [b, s] (z finite: padded ids zeroed); one read of each (a
+    batched dot product)."""
     v = z.shape[-1]
     dot = torch.bmm(probs.reshape(-1, 1, v), z.reshape(-1, v, 1)).view(z.shape[:-1])
     return _all_reduce(dot, group)
@@ -207,7 +206,7 @@ class _VocabParallelEntropy(torch.autograd.Function):
         if padded is not None:
             z = z.masked_fill(padded, 0.0)  # p = 0 there; avoid 0 * -inf = NaN
         # H = -sum_j p_j log p_j = log sum exp(z) - sum_j p_j z_j
-        entropy = log_sum_exp - _expected_z(probs, z, None, group)
+        entropy = log_sum_exp - _expected_z(probs, z, group)
         ctx.save_for_backward(probs, z, log_sum_exp, entropy)
         ctx.temperature = temperature
         ctx.logits_dtype = logits.dtype
