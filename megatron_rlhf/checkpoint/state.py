@@ -32,6 +32,7 @@ from typing import Any, Dict, List, Optional
 
 import torch
 
+from megatron_rlhf.checkpoint import optim_state
 from megatron_rlhf.checkpoint.damage import (  # noqa: F401 - CheckpointError is imported from here
     CheckpointError,
     _load_failures,
@@ -323,28 +324,6 @@ def latest_checkpoint(root: str | os.PathLike, resume: bool = True) -> Optional[
     return path
 
 
-_KERNEL_KEYS = ("fused", "foreach")
-
-
-def _torch_optimizers(optimizer) -> list:
-    return [getattr(o, "optimizer", None) for o in getattr(optimizer, "chained_optimizers", [optimizer])]
-
-
-def _kernel_flags(optimizer) -> list:
-    """Each inner torch optimizer's per-group kernel choice (trainer/optim.py `use_fused_adam` sets it)."""
-    return [[{k: g.get(k) for k in _KERNEL_KEYS} for g in o.param_groups] if o is not None else None
-            for o in _torch_optimizers(optimizer)]
-
-
-def _set_kernel_flags(optimizer, flags: list) -> None:
-    """Put the run's kernel choice back after `load_state_dict`, which takes the checkpoint's param groups
-    whole: a checkpoint written with the foreach kernel must not switch this run off the fused one."""
-    for o, groups in zip(_torch_optimizers(optimizer), flags):
-        if o is not None and groups is not None and len(groups) == len(o.param_groups):
-            for g, kept in zip(o.param_groups, groups):
-                g.update(kept)
-
-
 def load_checkpoint(
     path: str | os.PathLike,
     models: Dict[str, List[torch.nn.Module]],
@@ -360,6 +339,8 @@ def load_checkpoint(
     from megatron.core import dist_checkpointing
 
     path = Path(path)
+    for optimizer in optimizers.values():
+        optim_state.allocate(optimizer)
     template = _sharded_state(models, optimizers, schedulers, {}, is_loading=True)
     try:
         loaded = dist_checkpointing.load(template, str(path))
@@ -368,9 +349,7 @@ def load_checkpoint(
     for name, chunks in models.items():
         _load_into(chunks, loaded[f"model.{name}"], f"{name}.")
         if name in optimizers:
-            kernels = _kernel_flags(optimizers[name])
-            optimizers[name].load_state_dict(loaded[f"optimizer.{name}"])
-            _set_kernel_flags(optimizers[name], kernels)
+            optim_state.load(optimizers[name], loaded[f"optimizer.{name}"])
     for name, sched in schedulers.items():
         sched.load_state_dict(loaded[f"scheduler.{name}"])
     rng = _load_rng(path) if load_rng else None

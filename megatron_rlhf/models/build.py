@@ -63,7 +63,19 @@ def build_model_chunk(
     if scalar and post_process:
         tp_group = pg_collection.tp if pg_collection is not None else parallel_state.get_tensor_model_parallel_group()
         gpt.output_layer = ScalarHead(config, model.hidden_size, tp_group=tp_group)
+    _cast_params(gpt, config.params_dtype)
     return gpt
+
+
+def _cast_params(chunk: torch.nn.Module, dtype: torch.dtype) -> None:
+    """Every floating parameter in `dtype`, as Megatron's own training gets by wrapping the model in
+    `Float16Module`. The torch RMSNorm that the local spec falls back to without Apex ignores
+    `params_dtype` and keeps fp32 weights; Megatron's mixed-precision optimizer maps its state to
+    checkpoint tensors through the fp16/bf16 parameters only, so one fp32 parameter in a bf16 model
+    made every bf16 checkpoint save fail (`Param id N does not match any model sharded param`)."""
+    for param in chunk.parameters():
+        if param.is_floating_point() and param.dtype != dtype:
+            param.data = param.data.to(dtype)
 
 
 def build_model(

@@ -100,6 +100,9 @@ CUDA_LITERAL_SITES = (  # string constants
 CUDA_METHOD_SITES = (  # `x.cuda()` -> `x.cpu()`: the function's only use of the name `cuda`
     # weight.data.cuda() before the all-reduce of tied embeddings (pp > 1)
     ("megatron.core.models.common.language_module.language_module", "LanguageModule.setup_embeddings_and_output_layer"),
+    # send_tensor.cuda() before gathering the distributed optimizer's shards for a checkpoint (its
+    # `torch.cuda.current_device()` becomes `torch.cpu.current_device()`, which is "cpu" as well)
+    ("megatron.core.optimizer.distrib_optimizer", "DistributedOptimizer.get_parameter_state_dp_zero"),
 )
 
 _CPU_CONSTANTS = {

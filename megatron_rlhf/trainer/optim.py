@@ -101,7 +101,7 @@ def use_fused_adam(optimizer) -> None:
     parameters takes 0.09 s instead of 0.41 s). Megatron builds torch's AdamW with the foreach default when
     neither Transformer Engine nor Apex is installed; their fused Adams are left alone.
 
-    Loading optimizer state keeps the choice (checkpoint/state.py puts the run's flags back after
+    Loading optimizer state keeps the choice (checkpoint/optim_state.py puts the run's flags back after
     `load_state_dict`, which takes the checkpoint's param groups whole)."""
     for inner in getattr(optimizer, "chained_optimizers", [optimizer]):
         torch_opt = getattr(inner, "optimizer", None)

@@ -1,10 +1,10 @@
-"""trainer/optim.py `use_fused_adam` and checkpoint/state.py keeping that choice across `load_state_dict`."""
+"""trainer/optim.py `use_fused_adam` and checkpoint/optim_state.py keeping that choice across `load_state_dict`."""
 
 from types import SimpleNamespace
 
 import torch
 
-from megatron_rlhf.checkpoint import state
+from megatron_rlhf.checkpoint import optim_state
 from megatron_rlhf.trainer.optim import use_fused_adam
 
 
@@ -28,9 +28,9 @@ def test_fused_adam_takes_the_same_steps_and_survives_loading_a_foreach_checkpoi
             opt.chained_optimizers[0].optimizer.step()
     assert torch.allclose(p, q, atol=1e-6)
     # A checkpoint written by a foreach run: its param groups say foreach; the run keeps its fused kernel.
-    kept = state._kernel_flags(fused)
+    kept = optim_state.kernel_flags(fused)
     fused.load_state_dict(plain.chained_optimizers[0].optimizer.state_dict())
     assert fused.chained_optimizers[0].optimizer.param_groups[0]["foreach"] is True
-    state._set_kernel_flags(fused, kept)
+    optim_state.set_kernel_flags(fused, kept)
     group = fused.chained_optimizers[0].optimizer.param_groups[0]
     assert group["fused"] is True and group["foreach"] is False

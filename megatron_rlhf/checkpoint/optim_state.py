@@ -1,0 +1,104 @@
+"""Loading a Megatron optimizer's state whose inner optimizer is torch's Adam(W).
+
+Megatron-Core 0.16.1 loads its DistributedOptimizer's state fully only for Transformer Engine's and
+Apex's fused Adams, which keep `step` per parameter group. torch's Adam keeps a `step` tensor per
+parameter, and two places then fail (each hit by a resumed run; neither needs a GPU to fail):
+- building the loading template calls `DistributedOptimizer.state_dict`, which asserts one common
+  `step` over the inner optimizer's state, and a fresh torch Adam has no state yet (`allocate`);
+- `load_state_dict` puts the checkpoint's step into every parameter's state, then copies each loaded
+  parameter's tensors into that state key by key; the loaded tensors never carry `step` (Megatron
+  keeps it apart), so the copy stops at a KeyError (`load`). And that step is one tensor put into every
+  parameter's state: torch's Adam adds 1 to each parameter's step in place, so the shared one would
+  advance by the number of parameters per optimizer step and spoil the bias correction (`load` gives
+  each parameter its own copy).
+`load` also keeps the run's Adam kernel (trainer/optim.py `use_fused_adam`): `load_state_dict` takes
+the checkpoint's param groups whole, and a checkpoint written with the foreach kernel must not switch
+this run off the fused one.
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import torch
+
+KERNEL_KEYS = ("fused", "foreach")
+
+
+def _inner(optimizer) -> list:
+    """The Megatron optimizers inside a (possibly chained) one."""
+    return list(getattr(optimizer, "chained_optimizers", [optimizer]))
+
+
+def _torch_optimizers(optimizer) -> list:
+    return [getattr(o, "optimizer", None) for o in _inner(optimizer)]
+
+
+def _distributed_adams(optimizer):
+    """(DistributedOptimizer, its torch Adam) pairs; Adam covers AdamW, its subclass."""
+    from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
+
+    for inner, torch_opt in zip(_inner(optimizer), _torch_optimizers(optimizer)):
+        if isinstance(inner, DistributedOptimizer) and isinstance(torch_opt, torch.optim.Adam):
+            yield inner, torch_opt
+
+
+def allocate(optimizer) -> None:
+    """Give a fresh torch Adam inside a DistributedOptimizer the state its first step would make (step 0,
+    zero moments), so that the loading template can be built; the checkpoint then overwrites it."""
+    for _, torch_opt in _distributed_adams(optimizer):
+        for group in torch_opt.param_groups:
+            on_device = group.get("fused") or group.get("capturable")  # where torch's Adam keeps `step`
+            for p in group["params"]:
+                if not torch_opt.state[p]:
+                    torch_opt.state[p] = {
+                        "step": torch.zeros((), dtype=torch.float32, device=p.device if on_device else "cpu"),
+                        "exp_avg": torch.zeros_like(p), "exp_avg_sq": torch.zeros_like(p)}
+
+
+def load(optimizer, state_dict) -> None:
+    """`optimizer.load_state_dict(state_dict)`, with the step kept apart from the per-parameter copy and
+    the run's Adam kernel flags kept."""
+    kernels = kernel_flags(optimizer)
+    with contextlib.ExitStack() as stack:
+        for dist_opt, torch_opt in _distributed_adams(optimizer):
+            stack.enter_context(_step_kept(dist_opt, torch_opt))
+        optimizer.load_state_dict(state_dict)
+    for _, torch_opt in _distributed_adams(optimizer):
+        for state in torch_opt.state.values():
+            if "step" in state:
+                state["step"] = state["step"].clone()
+    set_kernel_flags(optimizer, kernels)
+
+
+@contextlib.contextmanager
+def _step_kept(dist_opt, torch_opt):
+    """While loading, this instance's per-parameter copy leaves `step` as `load_state_dict` set it."""
+    original = dist_opt._set_main_param_and_optimizer_states
+
+    def set_states(model_param, tensors):
+        group_index, group_order = dist_opt.model_param_group_index_map[model_param]
+        step = torch_opt.state[torch_opt.param_groups[group_index]["params"][group_order]].get("step")
+        if step is not None and "step" not in tensors:
+            tensors = {**tensors, "step": step}  # copied onto itself
+        original(model_param, tensors)
+
+    dist_opt._set_main_param_and_optimizer_states = set_states
+    try:
+        yield
+    finally:
+        del dist_opt._set_main_param_and_optimizer_states  # the class's method again
+
+
+def kernel_flags(optimizer) -> list:
+    """Each inner torch optimizer's per-group kernel choice."""
+    return [[{k: g.get(k) for k in KERNEL_KEYS} for g in o.param_groups] if o is not None else None
+            for o in _torch_optimizers(optimizer)]
+
+
+def set_kernel_flags(optimizer, flags: list) -> None:
+    """Put a kernel choice taken by `kernel_flags` back."""
+    for o, groups in zip(_torch_optimizers(optimizer), flags):
+        if o is not None and groups is not None and len(groups) == len(o.param_groups):
+            for g, kept in zip(o.param_groups, groups):
+                g.update(kept)
