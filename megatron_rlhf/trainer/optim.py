@@ -12,6 +12,7 @@ from typing import List
 
 import torch
 
+from megatron_rlhf.parallel import cpu
 from megatron_rlhf.parallel.layout import GRAD_REDUCE_IN_FP32
 
 
@@ -20,6 +21,8 @@ def wrap_ddp(chunks: List[torch.nn.Module], use_distributed_optimizer: bool,
     """Megatron DDP around each chunk, with per-token loss normalisation switched on.
 
     `check_for_nan_in_grad=False` when the caller checks gradients itself and skips bad steps (PPO).
+    On CPU the linear layers then add their weight gradients straight into DDP's buffer (parallel/cpu.py
+    `fuse_grad_accumulation`).
     """
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
 
@@ -41,6 +44,7 @@ def wrap_ddp(chunks: List[torch.nn.Module], use_distributed_optimizer: bool,
                 disable_bucketing=i > 0,
             )
         )
+        cpu.fuse_grad_accumulation(chunk)
     return wrapped
 
 
