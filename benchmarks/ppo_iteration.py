@@ -147,7 +147,7 @@ def iteration(cfg, engine, policy, value, models, prompts, it: int, timer: dict)
     return marks[-1] - marks[0]
 
 
-KERNELS = ("aten::mm", "aten::addmm", "aten::bmm", "aten::_scaled_dot_product_flash_attention_for_cpu",
+KERNELS = ("aten::mm", "aten::addmm", "aten::addmm_", "aten::bmm", "aten::_scaled_dot_product_flash_attention_for_cpu",
            "aten::_scaled_dot_product_flash_attention_for_cpu_backward")
 
 

@@ -23,11 +23,18 @@ def smollm2_gguf():
 @pytest.fixture(scope="session")
 def smollm2(tmp_path_factory, smollm2_gguf):
     """The real model converted once per session: `megatron` (convert_hf_to_megatron --gguf), `hf` (exported
-    back with megatron_to_hf), both in `dir`; `gguf` is the source file."""
+    back with megatron_to_hf), both in `dir`; `gguf` is the source file; `convert_stderr` what the
+    `--quiet` conversion wrote to stderr."""
+    import contextlib
+    import io
+
     from megatron_rlhf.checkpoint.convert_cli import hf_to_megatron_main
     from megatron_rlhf.checkpoint.hf import megatron_to_hf
 
     d = tmp_path_factory.mktemp("smollm2")
-    assert hf_to_megatron_main(["--gguf", str(smollm2_gguf), "--out", str(d / "smollm2.mg"), "--quiet"]) == 0
+    err = io.StringIO()
+    with contextlib.redirect_stderr(err):
+        assert hf_to_megatron_main(["--gguf", str(smollm2_gguf), "--out", str(d / "smollm2.mg"), "--quiet"]) == 0
     megatron_to_hf(d / "smollm2.mg", d / "smollm2")
-    return {"gguf": smollm2_gguf, "dir": d, "megatron": d / "smollm2.mg", "hf": d / "smollm2"}
+    return {"gguf": smollm2_gguf, "dir": d, "megatron": d / "smollm2.mg", "hf": d / "smollm2",
+            "convert_stderr": err.getvalue()}

@@ -71,7 +71,7 @@ def hf_to_megatron_main(argv: Optional[Sequence[str]] = None, prog: str = "conve
             check_output_dir(Path(args.out), args.overwrite, "megatron")  # before the minutes of loading
             scratch = Path(args.out).absolute().parent
             scratch.mkdir(parents=True, exist_ok=True)
-            with gguf_as_hf_dir(args.gguf, args.dtype, scratch) as hf_dir:
+            with gguf_as_hf_dir(args.gguf, args.dtype, scratch, progress=not args.quiet) as hf_dir:
                 convert(hf_dir, source=str(Path(args.gguf).absolute()))
         print(f"wrote {args.out}")
 

@@ -16,6 +16,7 @@ line before anything is loaded.
 from __future__ import annotations
 
 import contextlib
+import functools
 import shutil
 import tempfile
 from pathlib import Path
@@ -49,26 +50,27 @@ def check_gguf(path: Path) -> None:
 
 
 @contextlib.contextmanager
-def gguf_as_hf_dir(path: str, dtype: Optional[str], scratch: Optional[Path] = None) -> Iterator[Path]:
+def gguf_as_hf_dir(path: str, dtype: Optional[str], scratch: Optional[Path] = None,
+                   progress: bool = True) -> Iterator[Path]:
     """Yield a temporary HF directory (config.json, safetensors, tokenizer files) holding the GGUF model.
 
     dtype: the dtype the tensors are dequantised to (default float32). scratch: where the temporary
-    directory goes (next to the output keeps it on the same disk); removed on exit."""
+    directory goes (next to the output keeps it on the same disk); removed on exit. progress=False
+    (`--quiet`): transformers' progress bars stay off while it reads the file."""
     path = Path(path)
     check_gguf(path)
     dtype = dtype or "float32"
     if dtype not in DTYPES:
         raise ConversionError(f"unsupported dtype {dtype!r}: use one of {', '.join(DTYPES)}")
     import torch
-    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoModelForCausalLM
 
     tmp = Path(tempfile.mkdtemp(prefix=".gguf-", dir=scratch))
     try:
         kw = dict(gguf_file=path.name)
         try:
-            config = AutoConfig.from_pretrained(path.parent, **kw)
-            model = AutoModelForCausalLM.from_pretrained(path.parent, dtype=getattr(torch, dtype), **kw)
-            tokenizer = AutoTokenizer.from_pretrained(path.parent, **kw)
+            with contextlib.nullcontext() if progress else _no_transformers_progress():
+                config, model, tokenizer = _load(path, dtype, kw)
         except (ValueError, NotImplementedError, KeyError, OSError) as e:
             raise ConversionError(f"--gguf {path}: transformers cannot load it ({type(e).__name__}: "
                                   f"{str(e).splitlines()[0] if str(e) else ''})") from None
@@ -84,3 +86,58 @@ def gguf_as_hf_dir(path: str, dtype: Optional[str], scratch: Optional[Path] = No
         yield tmp
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
+
+
+def _load(path: Path, dtype: str, kw: dict):
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+
+    config = AutoConfig.from_pretrained(path.parent, **kw)
+    model = AutoModelForCausalLM.from_pretrained(path.parent, dtype=getattr(torch, dtype), **kw)
+    return config, model, AutoTokenizer.from_pretrained(path.parent, **kw)
+
+
+@contextlib.contextmanager
+def _no_transformers_progress():
+    """transformers' own bars follow `disable_progress_bar`; its GGUF reader calls tqdm directly, so that
+    module's `tqdm` is swapped for a disabled one while loading."""
+    from transformers import modeling_gguf_pytorch_utils as gguf_utils
+    from transformers.utils import logging as hf_logging
+
+    was_enabled, bar = hf_logging.is_progress_bar_enabled(), gguf_utils.tqdm
+    hf_logging.disable_progress_bar()
+    gguf_utils.tqdm = functools.partial(bar, disable=True)
+    try:
+        yield
+    finally:
+        gguf_utils.tqdm = bar
+        if was_enabled:
+            hf_logging.enable_progress_bar()
+
+
+def _load(path: Path, dtype: str, kw: dict):
+    """(config, model, tokenizer) as transformers reads them from the GGUF file."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+
+    config = AutoConfig.from_pretrained(path.parent, **kw)
+    model = AutoModelForCausalLM.from_pretrained(path.parent, dtype=getattr(torch, dtype), **kw)
+    return config, model, AutoTokenizer.from_pretrained(path.parent, **kw)
+
+
+@contextlib.contextmanager
+def _no_transformers_progress():
+    """transformers' own bars follow `disable_progress_bar`; its GGUF reader calls tqdm directly, so that
+    module's `tqdm` is swapped for a disabled one while loading."""
+    from transformers import modeling_gguf_pytorch_utils as gguf_utils
+    from transformers.utils import logging as hf_logging
+
+    was_enabled, bar = hf_logging.is_progress_bar_enabled(), gguf_utils.tqdm
+    hf_logging.disable_progress_bar()
+    gguf_utils.tqdm = functools.partial(bar, disable=True)
+    try:
+        yield
+    finally:
+        gguf_utils.tqdm = bar
+        if was_enabled:
+            hf_logging.enable_progress_bar()

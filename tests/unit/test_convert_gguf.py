@@ -29,6 +29,7 @@ def test_gguf_converts_with_its_tokenizer_and_round_trips(smollm2):
     assert cfg["tie_embeddings"] and cfg["rotary_base"] == 100000.0 and meta["dtype"] == "float32"
     assert meta["source"] == str(gguf_file.absolute())
     assert not list(smollm2["dir"].glob(".gguf-*"))  # the dequantised HF copy is gone
+    assert "%|" not in smollm2["convert_stderr"], smollm2["convert_stderr"][-500:]  # --quiet: no progress bar
 
     tok = AutoTokenizer.from_pretrained(out / TOKENIZER_DIR)
     assert tok.eos_token == "<|im_end|>" and tok.chat_template
