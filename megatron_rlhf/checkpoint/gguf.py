@@ -56,7 +56,7 @@ def gguf_as_hf_dir(path: str, dtype: Optional[str], scratch: Optional[Path] = No
 
     dtype: the dtype the tensors are dequantised to (default float32). scratch: where the temporary
     directory goes (next to the output keeps it on the same disk); removed on exit. progress=False
-    (`--quiet`): transformers' progress bars stay off while it reads the file."""
+    (`--quiet`): transformers' progress bars stay off while it reads the file and writes the copy."""
     path = Path(path)
     check_gguf(path)
     dtype = dtype or "float32"
@@ -67,22 +67,21 @@ def gguf_as_hf_dir(path: str, dtype: Optional[str], scratch: Optional[Path] = No
 
     tmp = Path(tempfile.mkdtemp(prefix=".gguf-", dir=scratch))
     try:
-        kw = dict(gguf_file=path.name)
-        try:
-            with contextlib.nullcontext() if progress else _no_transformers_progress():
-                config, model, tokenizer = _load(path, dtype, kw)
-        except (ValueError, NotImplementedError, KeyError, OSError) as e:
-            raise ConversionError(f"--gguf {path}: transformers cannot load it ({type(e).__name__}: "
-                                  f"{str(e).splitlines()[0] if str(e) else ''})") from None
-        # save_pretrained refuses a GGUF-quantised model; the dequantised tensors in a plain model save fine.
-        if hasattr(config, "quantization_config"):
-            del config.quantization_config
-        plain = AutoModelForCausalLM.from_config(config, dtype=getattr(torch, dtype))
-        plain.load_state_dict(model.state_dict())
-        plain.generation_config = model.generation_config
-        plain.save_pretrained(tmp)
-        tokenizer.save_pretrained(tmp)
-        del model, plain
+        with contextlib.nullcontext() if progress else _no_transformers_progress():
+            try:
+                config, model, tokenizer = _load(path, dtype, dict(gguf_file=path.name))
+            except (ValueError, NotImplementedError, KeyError, OSError) as e:
+                raise ConversionError(f"--gguf {path}: transformers cannot load it ({type(e).__name__}: "
+                                      f"{str(e).splitlines()[0] if str(e) else ''})") from None
+            # save_pretrained refuses a GGUF-quantised model; the dequantised tensors in a plain model save fine.
+            if hasattr(config, "quantization_config"):
+                del config.quantization_config
+            plain = AutoModelForCausalLM.from_config(config, dtype=getattr(torch, dtype))
+            plain.load_state_dict(model.state_dict())
+            plain.generation_config = model.generation_config
+            plain.save_pretrained(tmp)
+            tokenizer.save_pretrained(tmp)
+            del model, plain
         yield tmp
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
