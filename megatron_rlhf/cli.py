@@ -129,7 +129,18 @@ def _run_config_command(name: str, cmd: Command, argv: Sequence[str]) -> int:
         return _error(str(e))
     except RuntimeError as e:
         return _lost_peer(e)
+    finally:
+        _stop_watchdog()
     return result if isinstance(result, int) else 0
+
+
+def _stop_watchdog() -> None:
+    """Join this rank's watchdog thread (parallel/watchdog.py) before the interpreter exits, also when a stage
+    ends in an error after its start: a daemon thread still inside the job's TCP store while Python finalises
+    can abort the process (SIGABRT, seen as exit 134 on a rank that had only reported bad input)."""
+    watchdog = sys.modules.get("megatron_rlhf.parallel.watchdog")
+    if watchdog is not None:
+        watchdog.stop()
 
 
 def _lost_peer(e: RuntimeError) -> int:
@@ -187,6 +198,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         return _error(str(e))
     except RuntimeError as e:
         return _lost_peer(e)
+    finally:
+        _stop_watchdog()
 
 
 if __name__ == "__main__":

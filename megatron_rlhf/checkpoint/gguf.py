@@ -88,33 +88,6 @@ def gguf_as_hf_dir(path: str, dtype: Optional[str], scratch: Optional[Path] = No
 
 
 def _load(path: Path, dtype: str, kw: dict):
-    import torch
-    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
-
-    config = AutoConfig.from_pretrained(path.parent, **kw)
-    model = AutoModelForCausalLM.from_pretrained(path.parent, dtype=getattr(torch, dtype), **kw)
-    return config, model, AutoTokenizer.from_pretrained(path.parent, **kw)
-
-
-@contextlib.contextmanager
-def _no_transformers_progress():
-    """transformers' own bars follow `disable_progress_bar`; its GGUF reader calls tqdm directly, so that
-    module's `tqdm` is swapped for a disabled one while loading."""
-    from transformers import modeling_gguf_pytorch_utils as gguf_utils
-    from transformers.utils import logging as hf_logging
-
-    was_enabled, bar = hf_logging.is_progress_bar_enabled(), gguf_utils.tqdm
-    hf_logging.disable_progress_bar()
-    gguf_utils.tqdm = functools.partial(bar, disable=True)
-    try:
-        yield
-    finally:
-        gguf_utils.tqdm = bar
-        if was_enabled:
-            hf_logging.enable_progress_bar()
-
-
-def _load(path: Path, dtype: str, kw: dict):
     """(config, model, tokenizer) as transformers reads them from the GGUF file."""
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
@@ -127,7 +100,7 @@ def _load(path: Path, dtype: str, kw: dict):
 @contextlib.contextmanager
 def _no_transformers_progress():
     """transformers' own bars follow `disable_progress_bar`; its GGUF reader calls tqdm directly, so that
-    module's `tqdm` is swapped for a disabled one while loading."""
+    module's `tqdm` is swapped for a disabled one meanwhile."""
     from transformers import modeling_gguf_pytorch_utils as gguf_utils
     from transformers.utils import logging as hf_logging
 
