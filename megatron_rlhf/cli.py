@@ -129,8 +129,6 @@ def _run_config_command(name: str, cmd: Command, argv: Sequence[str]) -> int:
         return _error(str(e))
     except RuntimeError as e:
         return _lost_peer(e)
-    finally:
-        _stop_watchdog()
     return result if isinstance(result, int) else 0
 
 
@@ -190,9 +188,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             lifetime.catch_stop_signals()  # before the stage's imports: a stop during start-up is kept, not fatal
         else:
             lifetime.unblock_stop_signals()  # blocked by `megatron-rlhf launch` for its ranks
-    if cmd.config is not None:
-        return _run_config_command(name, cmd, rest)
     try:
+        if cmd.config is not None:
+            return _run_config_command(name, cmd, rest)
         return int(_resolve(cmd.target)(rest) or 0)
     except _user_errors() as e:
         return _error(str(e))

@@ -33,6 +33,11 @@ CUDA is available; otherwise it neutralises exactly these CUDA assumptions (each
    and, left alone, starts a ``spawn`` manager (ours keeps its queue in the rank instead:
    parallel/lifetime.py); entry points stay import-safe (``if __name__ == "__main__"``) all the same.
 
+7. Start-up: megatron-core's import wraps its fusion helpers in ``torch.compile``, which pulls in
+   dynamo and inductor (~2.8 s per rank). `parallel/eager_import.py` (installed by the package's
+   ``__init__``, before megatron-core can be imported) leaves them uncompiled when there is no CUDA;
+   none of them runs on CPU here (item 5).
+
 8. Gradient accumulation fusion (`fuse_grad_accumulation`, called for DDP-wrapped chunks): Megatron's linear
    layers can add their weight gradient straight into DDP's `main_grad` buffer, through Apex's CUDA
    extension `fused_weight_gradient_mlp_cuda`. Without it each weight gradient is a fresh tensor that
@@ -41,11 +46,6 @@ CUDA is available; otherwise it neutralises exactly these CUDA assumptions (each
    GEMM into the buffer (`addmm_`, beta 1): 3-4% off a forward+backward of the 135M model in fp32. Only
    where the weight's dtype is the buffer's (fp32): a bf16 product must be rounded to bf16 and added to
    the fp32 buffer either way, and measured, the fused order was no faster there.
-
-7. Start-up: megatron-core's import wraps its fusion helpers in ``torch.compile``, which pulls in
-   dynamo and inductor (~2.8 s per rank). `parallel/eager_import.py` (installed by the package's
-   ``__init__``, before megatron-core can be imported) leaves them uncompiled when there is no CUDA;
-   none of them runs on CPU here (item 5).
 
 The layer is checked against the installed megatron-core version and refuses any other one,
 because each patch targets a specific release's internals.
