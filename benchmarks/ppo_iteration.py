@@ -2,6 +2,7 @@
 
     python benchmarks/ppo_iteration.py            # reference shape: one process, 2 threads, < 5 minutes
     python benchmarks/ppo_iteration.py --shape smollm2-135m [--dtype bfloat16]   # the realistic shape (~15 min)
+    python benchmarks/ppo_iteration.py --shape smollm2-135m --dtype both   # fp32 and bf16 in one process (~25 min)
     ... [--repeats N] [--no-trl] [--profile 25]   # --profile: the top ops of one profiled iteration
 
 Each run ends with one JSON line.
@@ -27,7 +28,10 @@ The reference library, side by side: when TRL's PPO is importable (`pip install 
 `trl_reference.py`), the same shape runs through its PPOTrainer in this process after ours, and
 `speedup_vs_trl` = TRL's seconds per iteration / ours. Without it both are null. --dtype bfloat16: ours
 with bf16 parameters (Megatron's mixed-precision optimizer, fp32 main weights), TRL with `bf16=True`
-(accelerate's bf16 autocast over fp32 weights): each library's own bf16 training mode.
+(accelerate's bf16 autocast over fp32 weights): each library's own bf16 training mode. --dtype both: fp32,
+then bf16, each beside TRL's at the same precision, in one process; the JSON line holds one record per
+precision and `bf16_speedup_vs_fp32`, ours in fp32 / ours in bf16 (the VM's speed drifts by tens of percent
+between runs, so only a ratio measured in one run says anything).
 """
 
 from __future__ import annotations
@@ -95,7 +99,8 @@ def setup(shape: dict, dtype: str):
     from megatron_rlhf.parallel.layout import ParallelConfig
 
     parallel = ParallelConfig()
-    init.initialize(parallel, seed=0)
+    if not torch.distributed.is_initialized():  # --dtype both: the second precision reuses the world
+        init.initialize(parallel, seed=0)
     return ModelConfig(**shape, params_dtype=dtype), parallel
 
 
@@ -186,30 +191,12 @@ def measure(model_cfg, parallel, max_new_tokens: int, repeats: int, clock: Clock
     return statistics.median(times), {k: v / repeats for k, v in timer.items()}, sum(times)
 
 
-def main():
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--shape", default="reference", choices=sorted(SHAPES))
-    parser.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"))
-    parser.add_argument("--repeats", type=int, default=None, help="timed iterations (default 5; 2 at smollm2-135m)")
-    parser.add_argument("--no-trl", action="store_true", help="skip TRL's side")
-    parser.add_argument("--profile", type=int, default=0, metavar="N", help="print the N ops with most self time")
-    args = parser.parse_args()
+def run(args, dtype: str, clock: Clock) -> dict:
+    """Ours (and TRL's, unless --no-trl) at one precision: prints the figures, returns the JSON fields."""
     reference = args.shape == "reference"
     repeats = args.repeats or (5 if reference else 2)
-    from megatron.core.models.gpt import GPTModel
-    from megatron.core.optimizer import optimizer as mopt
-
-    from megatron_rlhf.rollout.lean_decode import LeanDecoder
-
     shape = SHAPES[args.shape]
-    model_cfg, parallel = setup(shape, args.dtype)
-    clock = Clock()
-    clock.wrap(GPTModel, "forward", "forward")
-    for name in ("prefill", "step"):  # the sampler's forward when it does not go through GPTModel.forward
-        clock.wrap(LeanDecoder, name, "forward")
-    clock.wrap(torch.autograd, "backward", "backward")
-    for cls in (mopt.ChainedOptimizer, mopt.FP32Optimizer, mopt.MixedPrecisionOptimizer):
-        clock.wrap(cls, "step", "optimizer")  # outermost call only: a chained step counts once
+    model_cfg, parallel = setup(shape, dtype)
     floor = {}
     s_per_iter, phases, total = measure(model_cfg, parallel, 64, repeats, clock=clock, floor=floor, top=args.profile)
     model_seconds = {k: v / repeats for k, v in clock.seconds.items()}  # per iteration, before scaling runs add more
@@ -221,7 +208,7 @@ def main():
         xs, ys = [math.log(n) for n in scaling], [math.log(t) for t in scaling.values()]
         mx, my = sum(xs) / len(xs), sum(ys) / len(ys)
         slope = sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / sum((x - mx) ** 2 for x in xs)
-    print(f"{args.shape} shape, {args.dtype}: {s_per_iter:.3f} s/iteration; "
+    print(f"{args.shape} shape, {dtype}: {s_per_iter:.3f} s/iteration; "
           f"phases {', '.join(f'{k} {v:.3f}s' for k, v in phases.items())}")
     print(f"inside model forward/backward/optimizer: {', '.join(f'{k} {v:.3f}s' for k, v in model_seconds.items())} "
           f"per iteration; overhead fraction {overhead:.3f}; GEMM + attention kernels alone {floor['s']:.3f}s "
@@ -233,16 +220,15 @@ def main():
         ids, mask = random_prompts()
         rows = [ids[i][mask[i]].tolist() for i in range(PROMPTS)]
         trl_s, trl_times = trl_reference.seconds_per_iteration(shape, PROMPTS, MINIBATCHES, EPOCHS, 64, repeats, rows,
-                                                               bf16=args.dtype == "bfloat16")
-        print(f"TRL PPOTrainer, same shape: {trl_s:.3f} s/iteration ({', '.join(f'{t:.3f}' for t in trl_times)}); "
+                                                               bf16=dtype == "bfloat16")
+        print(f"TRL PPOTrainer, same shape, {dtype}: {trl_s:.3f} s/iteration ({', '.join(f'{t:.3f}' for t in trl_times)}); "
               f"ours is {trl_s / s_per_iter:.2f}x faster; the kernels alone bound it at {trl_s / floor['s']:.2f}x")
     else:
         print("TRL's PPO is not importable here (pip install 'trl==1.12.0'): no side-by-side reference figure")
     if reference:
         print(f"new tokens -> s/iteration: {', '.join(f'{n}: {t:.3f}' for n, t in scaling.items())}; exponent {slope:.3f}")
-    print(json.dumps({
-        "shape": args.shape,
-        "dtype": args.dtype,
+    return {
+        "dtype": dtype,
         "s_per_iter": round(s_per_iter, 4),
         "phase_seconds": {k: round(v, 4) for k, v in phases.items()},
         "model_seconds_per_iter": {k: round(v, 4) for k, v in model_seconds.items()},
@@ -254,8 +240,39 @@ def main():
         "kernel_floor_s_per_iter": round(floor["s"], 4),
         "kernel_fraction": round(floor["s"] / s_per_iter, 4),
         "speedup_bound_vs_trl": None if trl_s is None else round(trl_s / floor["s"], 3),
-        "torch_threads": torch.get_num_threads(),
-    }))
+    }
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--shape", default="reference", choices=sorted(SHAPES))
+    parser.add_argument("--dtype", default="float32", choices=("float32", "bfloat16", "both"),
+                        help="both: fp32 then bf16 in this process, each beside TRL's, and ours bf16 against ours fp32")
+    parser.add_argument("--repeats", type=int, default=None, help="timed iterations (default 5; 2 at smollm2-135m)")
+    parser.add_argument("--no-trl", action="store_true", help="skip TRL's side")
+    parser.add_argument("--profile", type=int, default=0, metavar="N", help="print the N ops with most self time")
+    args = parser.parse_args()
+    from megatron.core.models.gpt import GPTModel
+    from megatron.core.optimizer import optimizer as mopt
+
+    from megatron_rlhf.rollout.lean_decode import LeanDecoder
+
+    clock = Clock()
+    clock.wrap(GPTModel, "forward", "forward")
+    for name in ("prefill", "step"):  # the sampler's forward when it does not go through GPTModel.forward
+        clock.wrap(LeanDecoder, name, "forward")
+    clock.wrap(torch.autograd, "backward", "backward")
+    for cls in (mopt.ChainedOptimizer, mopt.FP32Optimizer, mopt.MixedPrecisionOptimizer):
+        clock.wrap(cls, "step", "optimizer")  # outermost call only: a chained step counts once
+    dtypes = ("float32", "bfloat16") if args.dtype == "both" else (args.dtype,)
+    results = {dtype: run(args, dtype, clock) for dtype in dtypes}
+    line = {"shape": args.shape, **results[dtypes[0]]} if len(dtypes) == 1 else {"shape": args.shape, **results}
+    if len(dtypes) == 2:
+        ratio = results["float32"]["s_per_iter"] / results["bfloat16"]["s_per_iter"]
+        print(f"ours in bf16 is {ratio:.2f}x ours in fp32, measured in this process")
+        line["bf16_speedup_vs_fp32"] = round(ratio, 3)
+    line["torch_threads"] = torch.get_num_threads()
+    print(json.dumps(line))
 
 
 if __name__ == "__main__":

@@ -37,6 +37,7 @@ def build_model_chunk(
     from megatron.core import parallel_state
     from megatron.core.models.gpt import GPTModel
 
+    from megatron_rlhf.models import logit_rows
     from megatron_rlhf.models import rope as rope_kernel
 
     rope_kernel.install()  # Megatron's unfused RoPE in fewer passes, same results (models/rope.py)
@@ -63,6 +64,8 @@ def build_model_chunk(
     if scalar and post_process:
         tp_group = pg_collection.tp if pg_collection is not None else parallel_state.get_tensor_model_parallel_group()
         gpt.output_layer = ScalarHead(config, model.hidden_size, tp_group=tp_group)
+    elif post_process:
+        logit_rows.install(gpt)  # logits batch-major, and at chosen rows only (models/logit_rows.py)
     _cast_params(gpt, config.params_dtype)
     return gpt
 

@@ -45,7 +45,10 @@ CUDA is available; otherwise it neutralises exactly these CUDA assumptions (each
    and an extra read-modify-write of the buffer). Here a CPU stand-in does the same accumulation as one
    GEMM into the buffer (`addmm_`, beta 1): 3-4% off a forward+backward of the 135M model in fp32. Only
    where the weight's dtype is the buffer's (fp32): a bf16 product must be rounded to bf16 and added to
-   the fp32 buffer either way, and measured, the fused order was no faster there.
+   the fp32 buffer either way, and measured, the fused order was no faster there. The output layer that
+   uses the tied embedding accumulates the same way into the embedding's buffer, and the embedding lookup
+   (any dtype) adds its gradient rows into it with one `index_add_` instead of a dense [V, H] gradient: per
+   backward of the tied 135M model, three 113 MB tensors (two gradients and their sum) and their passes fewer.
 
 The layer is checked against the installed megatron-core version and refuses any other one,
 because each patch targets a specific release's internals.
@@ -216,22 +219,71 @@ class _WgradAccumulation:
         main_grad.addmm_(grad_output.t(), total_input)
 
 
+class _LookupIntoMainGrad(torch.autograd.Function):
+    """`F.embedding(ids, weight)` whose backward adds each token's gradient row into `weight.main_grad`
+    (DDP's buffer) with one `index_add_`, and gives autograd no weight gradient. The dense backward wrote a
+    zero [V, H] tensor (113 MB at a 49k vocabulary), scattered into it, and DDP's hook then added all of it
+    to the buffer. ids [b, s] -> [b, s, H]."""
+
+    @staticmethod
+    def forward(ctx, ids, weight):
+        ctx.save_for_backward(ids)
+        ctx.weight = weight
+        return torch.nn.functional.embedding(ids, weight)
+
+    @staticmethod
+    def backward(ctx, grad):
+        (ids,) = ctx.saved_tensors
+        main_grad = ctx.weight.main_grad
+        main_grad.index_add_(0, ids.reshape(-1), grad.reshape(-1, grad.shape[-1]).to(main_grad.dtype))
+        return None, None
+
+
+class _EmbeddingFunctional:
+    """`torch.nn.functional` as megatron's tensor_parallel/layers.py sees it (its one use: F.embedding in
+    VocabParallelEmbedding.forward): a weight that `fuse_grad_accumulation` marked looks up through
+    `_LookupIntoMainGrad` while gradients are on; everything else is torch's own."""
+
+    def __getattr__(self, name):
+        return getattr(torch.nn.functional, name)
+
+    @staticmethod
+    def embedding(input, weight, *args, **kwargs):
+        if getattr(weight, "lookup_into_main_grad", False) and not (args or kwargs) and torch.is_grad_enabled() \
+                and weight.requires_grad:
+            return _LookupIntoMainGrad.apply(input, weight)
+        return torch.nn.functional.embedding(input, weight, *args, **kwargs)
+
+
 def fuse_grad_accumulation(chunk: torch.nn.Module) -> None:
-    """On CPU, let the Megatron linear layers of a DDP-wrapped chunk whose weights are fp32, like DDP's
-    buffer, accumulate their weight gradients into `main_grad` (item 8). Only DDP-wrapped chunks: every
-    weight then has a `main_grad`, which the fused path requires (a plain model that backpropagates keeps
-    the unfused path)."""
+    """On CPU, let the Megatron layers of a DDP-wrapped chunk accumulate their weight gradients into
+    `main_grad` (item 8): linear layers whose weights are fp32, like DDP's buffer, including the output
+    layer that uses the tied embedding, and the embedding lookups of any dtype. Only DDP-wrapped chunks:
+    every weight then has a `main_grad`, which the fused path requires (a plain model that backpropagates
+    keeps the unfused path)."""
     if cuda_available():
         return  # on GPU the config's gradient_accumulation_fusion decides (Apex or TE provide the kernel)
     from megatron.core.tensor_parallel import layers
 
     layers.fused_weight_gradient_mlp_cuda = _WgradAccumulation
-    for module in chunk.modules():
+    layers.F = _EmbeddingFunctional()
+
+    def fp32_main_grad(weight) -> bool:
+        main_grad = getattr(weight, "main_grad", None)
+        return main_grad is not None and main_grad.dtype == weight.dtype == torch.float32
+
+    model = chunk
+    while hasattr(model, "module"):
+        model = model.module
+    for module in model.modules():
+        if isinstance(module, layers.VocabParallelEmbedding) and getattr(module.weight, "main_grad", None) is not None:
+            module.weight.lookup_into_main_grad = True
         if not isinstance(module, (layers.ColumnParallelLinear, layers.RowParallelLinear)):
             continue
-        weight = getattr(module, "weight", None)  # None: the output layer that uses the tied embedding
-        main_grad = getattr(weight, "main_grad", None)
-        if main_grad is not None and main_grad.dtype == weight.dtype == torch.float32:
+        weight = getattr(module, "weight", None)
+        if weight is None and module is getattr(model, "output_layer", None):  # it uses the tied embedding
+            weight = model.shared_embedding_or_output_weight()
+        if fp32_main_grad(weight):
             module.gradient_accumulation_fusion = True
 
 

@@ -71,7 +71,7 @@ def unsupported_reason(gpt) -> Optional[str]:
     if type(gpt.embedding.word_embeddings) is not VocabParallelEmbedding or gpt.embedding.add_position_embedding \
             or getattr(gpt.embedding, "tokentype_embeddings", None) is not None:
         return "an embedding other than a lone VocabParallelEmbedding"
-    if type(gpt.output_layer) is not ColumnParallelLinear or gpt.output_layer.bias is not None:
+    if not isinstance(gpt.output_layer, ColumnParallelLinear) or gpt.output_layer.bias is not None:
         return f"output layer {type(gpt.output_layer).__name__} (only a bias-free ColumnParallelLinear)"
     norms = [gpt.decoder.final_layernorm]
     for i, layer in enumerate(gpt.decoder.layers):

@@ -11,6 +11,8 @@ from typing import Callable, Dict, Iterable, List, Tuple
 
 import torch
 
+from megatron_rlhf.models.logit_rows import logits_at
+
 Batch = Dict[str, torch.Tensor]
 LossFn = Callable[[torch.Tensor, Batch], Tuple[torch.Tensor, torch.Tensor, Dict[str, Tuple[torch.Tensor, torch.Tensor]]]]
 
@@ -21,17 +23,19 @@ def position_ids_for(input_ids: torch.Tensor) -> torch.Tensor:
     return torch.arange(s, device=input_ids.device).unsqueeze(0).expand(b, s)
 
 
-def make_forward_step(loss_fn: LossFn, model_kwargs: Callable[[Batch], dict] | None = None):
+def make_forward_step(loss_fn: LossFn, model_kwargs: Callable[[Batch], dict] | None = None,
+                      rows: Callable[[Batch], torch.Tensor | None] | None = None):
     """Build the `forward_step(data_iterator, model)` that Megatron's pipeline schedules call.
 
-    `model_kwargs(batch)` adds keyword arguments to the model call (e.g. `labels`).
+    `model_kwargs(batch)` adds keyword arguments to the model call (e.g. `labels`). `rows(batch)` ([b, T]
+    positions or None): an LM's logits come only at those rows, [b, T, V/tp] (models/logit_rows.py).
     """
-
     def forward_step(data_iterator, model):
         batch = next(data_iterator)
         input_ids = batch["input_ids"]
         extra = model_kwargs(batch) if model_kwargs else {}
-        output = model(input_ids, batch.get("position_ids", position_ids_for(input_ids)), None, **extra)
+        with logits_at(model, rows(batch) if rows else None):
+            output = model(input_ids, batch.get("position_ids", position_ids_for(input_ids)), None, **extra)
 
         def loss_func(output_tensor):
             loss_sum, num_tokens, stats = loss_fn(output_tensor, batch)

@@ -22,7 +22,7 @@ from megatron_rlhf.data import dataset as D
 from megatron_rlhf.algo import masked
 from megatron_rlhf.rollout.base import SamplingParams
 from megatron_rlhf.rollout.megatron_engine import MegatronRolloutEngine
-from megatron_rlhf.trainer.ppo.experience import forward_collect, response_logprobs
+from megatron_rlhf.trainer.ppo.experience import collect_logprobs
 from megatron_rlhf.trainer.ppo.eval import EVAL_SEED_OFFSET, generate, gold_scores, load_gold_scorer, uniforms
 
 
@@ -54,9 +54,8 @@ def sample_and_score(policy, reference, prompts: List[List[int]], cfg, tokenizer
         values["true_reward"] = scores
     if with_kl:
         mbs = exp.microbatches(cfg.train.micro_batch_size)
-        extract = lambda o, mb: response_logprobs(o, mb, vocab, d.temperature)  # noqa: E731
-        logp = torch.cat(forward_collect(policy, mbs, extract))
-        ref = torch.cat(forward_collect(reference, mbs, extract))
+        logp = torch.cat(collect_logprobs(policy, mbs, vocab, d.temperature))
+        ref = torch.cat(collect_logprobs(reference, mbs, vocab, d.temperature))
         values["kl"] = ((logp - ref) * mask).sum(-1)
     return _means(values, ps.get_data_parallel_group())
 

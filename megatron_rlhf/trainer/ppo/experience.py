@@ -12,7 +12,7 @@ work the same way; per-token outputs are read at the response positions of `Expe
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable, Dict, List, Tuple
+from typing import Callable, Dict, List, Optional, Tuple
 
 import torch
 
@@ -22,6 +22,7 @@ from megatron_rlhf.algo.correction import correction_weights
 from megatron_rlhf.algo.rewards import penalize_missing_eos, shaped_rewards
 from megatron_rlhf.trainer.ppo.batch import Experience
 from megatron_rlhf.models import heads
+from megatron_rlhf.models.logit_rows import logits_at, pick_rows
 from megatron_rlhf.models.logprobs import token_entropy, token_logprobs, token_logprobs_and_entropy
 from megatron_rlhf.trainer.step import position_ids_for, run_schedule
 
@@ -47,31 +48,45 @@ def tp_group():
 
 
 def at_response(output: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
-    """output [b, S, X], index [b, T] -> [b, T, X]: the outputs at each response token's predicting position.
+    """output [b, S, X], index [b, T] -> [b, T, X]: the outputs at each response token's predicting position."""
+    return pick_rows(output, index)
 
-    Whole rows are picked (index_select on [b * S, X]), not elements: `gather` with an index expanded over a
-    49k vocabulary reads an int64 index per logit and was the slowest [b, T, V] pass of the policy loss."""
-    b, S, X = output.shape
-    rows = (index + S * torch.arange(b, device=index.device).unsqueeze(1)).reshape(-1)
-    return output.reshape(b * S, X).index_select(0, rows).view(b, index.shape[1], X)
+
+def response_rows(mb: Batch) -> torch.Tensor:
+    """[b, T]: the positions whose logits predict the response tokens; with `logits_at`, the forward projects
+    only these (models/logit_rows.py). PPO-ptx micro-batches (no response) get None: every position."""
+    return mb.get("response_index")
+
+
+def _response_logits(logits: torch.Tensor, mb: Batch) -> torch.Tensor:
+    """Logits over every position [b, S, V/tp], or already at the response rows [b, T, V/tp] (a forward with
+    `rows=response_rows`) -> [b, T, V/tp]. The two cannot be confused: S > T, as every prompt has a token."""
+    index = mb["response_index"]
+    return logits if logits.shape[1] == index.shape[1] else at_response(logits, index)
 
 
 def response_logprobs(logits: torch.Tensor, mb: Batch, vocab_size: int, temperature: float) -> torch.Tensor:
-    """Vocab-parallel logits [b, S, V/tp] -> log-probs [b, T] of the response tokens (padded ids excluded)."""
-    z = at_response(logits, mb["response_index"])
-    return token_logprobs(z, mb["response_ids"], tp_group(), vocab_size, temperature)
+    """Vocab-parallel logits [b, S or T, V/tp] -> log-probs [b, T] of the response tokens (padded ids excluded)."""
+    return token_logprobs(_response_logits(logits, mb), mb["response_ids"], tp_group(), vocab_size, temperature)
 
 
 def response_logprobs_and_entropy(logits: torch.Tensor, mb: Batch, vocab_size: int, temperature: float):
-    """Vocab-parallel logits [b, S, V/tp] -> (log-probs [b, T], entropy [b, T], not differentiable) of the
+    """Vocab-parallel logits [b, S or T, V/tp] -> (log-probs [b, T], entropy [b, T], not differentiable) of the
     response tokens, from one softmax."""
-    z = at_response(logits, mb["response_index"])
-    return token_logprobs_and_entropy(z, mb["response_ids"], tp_group(), vocab_size, temperature)
+    return token_logprobs_and_entropy(_response_logits(logits, mb), mb["response_ids"], tp_group(), vocab_size,
+                                      temperature)
 
 
 def response_entropy(logits: torch.Tensor, mb: Batch, vocab_size: int, temperature: float) -> torch.Tensor:
-    """Vocab-parallel logits [b, S, V/tp] -> entropy [b, T] of the policy at each response position."""
-    return token_entropy(at_response(logits, mb["response_index"]), tp_group(), vocab_size, temperature)
+    """Vocab-parallel logits [b, S or T, V/tp] -> entropy [b, T] of the policy at each response position."""
+    return token_entropy(_response_logits(logits, mb), tp_group(), vocab_size, temperature)
+
+
+def collect_logprobs(chunks, microbatches: List[Batch], vocab_size: int, temperature: float) -> List[torch.Tensor]:
+    """Forward-only log-probs [b, T] of the response tokens per micro-batch, the output layer run at the
+    response positions only."""
+    return forward_collect(chunks, microbatches, lambda o, mb: response_logprobs(o, mb, vocab_size, temperature),
+                           rows=response_rows)
 
 
 def response_values(output: torch.Tensor, mb: Batch) -> torch.Tensor:
@@ -84,8 +99,11 @@ def last_token_scores(output: torch.Tensor, mb: Batch) -> torch.Tensor:
     return heads.last_token_scores(output, mb["prompt_lengths"] + mb["response_mask"].sum(-1).long())
 
 
-def forward_collect(chunks, microbatches: List[Batch], extract: Callable[[torch.Tensor, Batch], torch.Tensor]) -> List[torch.Tensor]:
+def forward_collect(chunks, microbatches: List[Batch], extract: Callable[[torch.Tensor, Batch], torch.Tensor],
+                    rows: Optional[Callable[[Batch], torch.Tensor]] = None) -> List[torch.Tensor]:
     """Forward-only pass; `extract(output, mb)` per micro-batch, returned on every pipeline rank.
+
+    `rows(mb)` ([b, T] positions, e.g. `response_rows`): an LM's logits come only at those rows, [b, T, V/tp].
 
     `chunks` may be a frozen model in its own layout (trainer/ppo/inference_layout.py): it computes the
     same quantity for the rows of all micro-batches at once, or a reference kept in host memory
@@ -96,11 +114,12 @@ def forward_collect(chunks, microbatches: List[Batch], extract: Callable[[torch.
         return [chunks.collect_rows(microbatches)]
     if hasattr(chunks, "swaps_into"):
         with chunks.swapped() as policy:
-            return forward_collect(policy, microbatches, extract)
+            return forward_collect(policy, microbatches, extract, rows)
 
     def forward_step(data_iterator, model):
         mb = next(data_iterator)
-        output = model(mb["input_ids"], position_ids_for(mb["input_ids"]), None)
+        with logits_at(model, rows(mb) if rows else None):
+            output = model(mb["input_ids"], position_ids_for(mb["input_ids"]), None)
 
         def loss_func(out):
             return torch.zeros(()), torch.tensor(1, dtype=torch.int), {"out": extract(out, mb).detach()}
@@ -133,8 +152,8 @@ def score_and_recompute(exp: Experience, models: Dict[str, list], frozen: Frozen
     v, t = frozen.vocab_size, frozen.temperature
     cat = lambda parts: torch.cat(parts)  # noqa: E731
     exp.rm_scores, exp.scores = score_responses(models["reward"], mbs, frozen)
-    exp.logprobs = cat(forward_collect(models["policy"], mbs, lambda o, mb: response_logprobs(o, mb, v, t)))
-    exp.ref_logprobs = cat(forward_collect(models["reference"], mbs, lambda o, mb: response_logprobs(o, mb, v, t)))
+    exp.logprobs = cat(collect_logprobs(models["policy"], mbs, v, t))
+    exp.ref_logprobs = cat(collect_logprobs(models["reference"], mbs, v, t))
     mask = exp.response_mask
     if with_values and "value" in models:
         exp.values = cat(forward_collect(models["value"], mbs, response_values)) * mask

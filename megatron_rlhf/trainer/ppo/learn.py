@@ -21,7 +21,7 @@ from megatron_rlhf.algo.correction import correction_weights
 from megatron_rlhf.algo.losses import entropy_bonus, kl_penalty, policy_loss, value_loss
 from megatron_rlhf.trainer.ppo.batch import Experience
 from megatron_rlhf.trainer.ppo.experience import (response_entropy, response_logprobs, response_logprobs_and_entropy,
-                                                  response_values)
+                                                  response_rows, response_values)
 from megatron_rlhf.trainer.ppo.ptx import PtxBatches, ptx_loss, with_scale
 from megatron_rlhf.trainer.run import Trainable
 from megatron_rlhf.trainer.step import make_forward_step, train_step
@@ -39,7 +39,8 @@ POLICY_STATS = ("policy_loss", "clip_fraction", "approx_kl", "ratio", "entropy")
 def policy_loss_fn(vocab_size: int, temperature: float, clip_eps: float, entropy_coef: float, poison: dict,
                    kl_coef: float = 0.0, kl_estimator: str = "k3", ptx: bool = False,
                    correction: Tuple[str, float] = ("none", 2.0)):
-    """loss_fn(logits [b, S, V/tp], mb) -> (token-sum loss, tokens, stats) for `make_forward_step`.
+    """loss_fn(logits, mb) -> (token-sum loss, tokens, stats) for `make_forward_step`: logits [b, T, V/tp] at
+    the response rows (`rows=response_rows`) or [b, S, V/tp] (PPO-ptx micro-batches, and callers without rows).
 
     correction (ppo.rollout_correction, its cap): each token's surrogate term weighted by
     algo.correction's weight of pi_old (mb["logprobs"]) against the sampler (mb["sampler_logprobs"]).
@@ -147,7 +148,8 @@ def learn(policy: Trainable, value: Optional[Trainable], exp: Experience, cfg, *
     kl_coef = beta if p.kl_in == "loss" else 0.0
     policy_step = make_forward_step(policy_loss_fn(vocab_size, p.temperature, p.clip_eps, p.entropy_coef, poison,
                                                    kl_coef, p.kl_estimator, ptx is not None,
-                                                   (p.rollout_correction, p.rollout_correction_cap)))
+                                                   (p.rollout_correction, p.rollout_correction_cap)),
+                                    rows=response_rows)
     value_step = make_forward_step(value_loss_fn(p.value_clip_eps, p.vf_coef))
     generator = torch.Generator().manual_seed(cfg.train.seed * 1_000_003 + iteration)
     share = p.minibatch_size // dp_size
