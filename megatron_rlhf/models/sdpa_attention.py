@@ -4,7 +4,8 @@ scaled_dot_product_attention`: one fused op instead of Megatron's `DotProductAtt
 
 Why: a profile of the PPO iteration on CPU (benchmarks/ppo_iteration.py) puts that chain among the
 largest costs of the Megatron forward and backward, and in KV-cache decoding the `repeat_interleave`
-copies the whole cache on every step. SDPA reads grouped keys in place (`enable_gqa`).
+copies the whole cache on every step. SDPA reads grouped keys in place (`enable_gqa`). On CPU a bf16 causal
+block computes in fp32 (parallel/cpu.py item 9: torch's bf16 backward there is twice as slow).
 
 Only the cases the trainer and the sampler use take the fused path; everything else (an explicit
 attention mask, sliding windows, softmax offsets, fp16 layer scaling, attention dropout in training,
@@ -18,6 +19,8 @@ from typing import Optional
 import torch
 from megatron.core.transformer.dot_product_attention import DotProductAttention
 from megatron.core.transformer.enums import AttnMaskType
+
+from megatron_rlhf.parallel import cpu
 
 
 class SDPAttention(DotProductAttention):
@@ -42,11 +45,13 @@ class SDPAttention(DotProductAttention):
             return super().forward(query, key, value, attention_mask, attn_mask_type, attention_bias,
                                    packed_seq_params)
         sq, b = query.shape[0], query.shape[1]
-        # [s, b, heads, hn] -> [b, heads, s, hn]
-        q, k, v = (t.permute(1, 2, 0, 3) for t in (query, key, value))
+        # [s, b, heads, hn] -> [b, heads, s, hn]; a causal block (training, scoring) in the dtype the CPU layer
+        # picks (fp32 for bf16 on CPU); a decode step, which rereads the whole key cache, as it is
+        dtype = cpu.attention_dtype(query) if sq > 1 else query.dtype
+        q, k, v = (t.permute(1, 2, 0, 3).to(dtype) for t in (query, key, value))
         context = torch.nn.functional.scaled_dot_product_attention(
             q, k, v, is_causal=sq > 1, scale=self.softmax_scale,
             enable_gqa=self.num_attention_heads_per_partition != self.num_query_groups_per_partition,
-        )
+        ).to(query.dtype)
         # [b, np, sq, hn] -> [sq, b, np * hn]
         return context.permute(2, 0, 1, 3).reshape(sq, b, self.hidden_size_per_partition)

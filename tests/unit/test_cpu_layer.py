@@ -16,8 +16,9 @@ from tests.distributed.launch import ROOT, free_port
 pytestmark = pytest.mark.skipif(torch.cuda.is_available(), reason="the CPU layer is off with CUDA")
 
 
-def _run(code: str) -> str:
-    env = dict(os.environ, PYTHONPATH=str(ROOT), CUDA_VISIBLE_DEVICES="", PYTHONWARNINGS="ignore", OMP_NUM_THREADS="1")
+def _run(code: str, **extra_env) -> str:
+    env = dict(os.environ, PYTHONPATH=str(ROOT), CUDA_VISIBLE_DEVICES="", PYTHONWARNINGS="ignore", OMP_NUM_THREADS="1",
+               **extra_env)
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, cwd=ROOT, timeout=300)
     assert out.returncode == 0, out.stderr[-3000:]
     return out.stdout
@@ -125,3 +126,34 @@ def test_bf16_step_through_the_mixed_precision_optimizer():
         "print('ok')\n"
     )
     assert out.strip().endswith("ok")
+
+
+_MMAPPED_AFTER_A_LARGE_TENSOR = (
+    "import ctypes, torch\n"
+    "from megatron_rlhf.parallel import cpu\n"
+    "class Info(ctypes.Structure):\n"
+    "    _fields_ = [(n, ctypes.c_size_t) for n in ('arena', 'ordblks', 'smblks', 'hblks', 'hblkhd', 'usmblks',\n"
+    "                                               'fsmblks', 'uordblks', 'fordblks', 'keepcost')]\n"
+    "libc = ctypes.CDLL('libc.so.6')\n"
+    "libc.mallinfo2.restype = Info\n"
+    "cpu.enable()\n"
+    "before = libc.mallinfo2()\n"
+    "x = torch.ones(64, 2**20)  # 256 MB: glibc would map it, and unmap it when freed\n"
+    "during = libc.mallinfo2()\n"
+    "del x\n"
+    "after = libc.mallinfo2()\n"
+    "print('mapped', during.hblkhd - before.hblkhd, 'kept', after.arena - before.arena)\n"
+)
+
+
+def test_freed_large_tensors_stay_in_the_process():
+    """Item 10: a large tensor comes from the heap, not a fresh mapping, and its memory stays for the next one."""
+    out = _run(_MMAPPED_AFTER_A_LARGE_TENSOR).split()
+    mapped, kept = int(out[out.index("mapped") + 1]), int(out[out.index("kept") + 1])
+    assert mapped == 0 and kept >= 2**28 - 2**20, out  # the arena holds it after the free (less what it had)
+
+
+def test_the_host_allocator_policy_can_be_left_alone():
+    out = _run(_MMAPPED_AFTER_A_LARGE_TENSOR, **{cpu.HOST_MALLOC_ENV: "default"}).split()
+    assert int(out[out.index("mapped") + 1]) >= 2**28, out
+

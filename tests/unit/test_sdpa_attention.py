@@ -73,3 +73,15 @@ def test_explicit_mask_defers_to_megatron(attention):
     assert not attention._fused_path_applies(q, k, mask, None, None)
     (fused, ref), _ = _both(attention, q, k, v, mask)
     torch.testing.assert_close(fused, ref)
+
+
+def test_bf16_causal_block_computes_in_fp32_on_cpu_and_decode_steps_keep_bf16(attention):
+    """parallel/cpu.py item 9: a bf16 causal block is the fp32 attention of the same inputs, rounded once."""
+    sdpa = torch.nn.functional.scaled_dot_product_attention
+    for (sq, sk), dtype in (((7, 7), torch.float32), ((1, 9), torch.bfloat16)):
+        q, k, v = (t.detach().to(torch.bfloat16) for t in _qkv(sq, sk))
+        out = attention.forward(q, k, v, None)
+        ref = sdpa(*(t.permute(1, 2, 0, 3).to(dtype) for t in (q, k, v)), is_causal=sq > 1,
+                   scale=attention.softmax_scale, enable_gqa=True)
+        assert out.dtype == torch.bfloat16
+        assert torch.equal(out, ref.to(torch.bfloat16).permute(2, 0, 1, 3).reshape(sq, 3, HEADS * HN)), (sq, sk)
