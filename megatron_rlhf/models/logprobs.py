@@ -103,10 +103,9 @@ def _softmax_stats(logits: torch.Tensor, group, vocab_size: Optional[int], tempe
 
 
 def _expected_z(probs: torch.Tensor, z: torch.Tensor, group) -> torch.Tensor:
-    """sum_j p_j z_j over the whole vocabulary -> [b, s] (z finite: padded ids zeroed); one read of each (a
-    batched dot product)."""
-    v = z.shape[-1]
-    dot = torch.bmm(probs.reshape(-1, 1, v), z.reshape(-1, v, 1)).view(z.shape[:-1])
+    """sum_j p_j z_j over the whole vocabulary -> [b, s] (z finite: padded ids zeroed); one read of each, no
+    temporary (`vecdot`: a batched [1, V] x [V, 1] `bmm` ran ~25x slower on CPU)."""
+    dot = torch.linalg.vecdot(probs, z)
     return _all_reduce(dot, group)
 
 
@@ -166,7 +165,7 @@ class _VocabParallelLogprob(torch.autograd.Function):
             if sum_ez is not None:  # sum_j e_j z_j, the entropy's expectation before normalising
                 if padded is not None:
                     z.masked_fill_(padded, 0.0)  # e = 0 there; avoid 0 * -inf = NaN
-                sum_ez[i:j] = torch.bmm(e.unsqueeze(1), z.unsqueeze(2)).view(-1)
+                sum_ez[i:j] = torch.linalg.vecdot(e, z)  # bmm of [1, V] x [V, 1] was ~25x slower on CPU
         sum_exp = _all_reduce(sum_exp, group)
         log_sum_exp = torch.log(sum_exp)
         local = (labels >= start) & (labels < end)

