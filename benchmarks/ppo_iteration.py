@@ -4,6 +4,7 @@
     python benchmarks/ppo_iteration.py --shape smollm2-135m [--dtype bfloat16]   # the realistic shape (~15 min)
     python benchmarks/ppo_iteration.py --shape smollm2-135m --dtype both   # fp32 and bf16 in one process (~25 min)
     ... [--repeats N] [--no-trl] [--profile 25]   # --profile: the top ops of one profiled iteration
+    ... [--sampler-logprobs]   # ours also with ppo.old_logprobs=sampler, TRL's way of taking PPO's old log-probs
 
 Each run ends with one JSON line.
 
@@ -26,7 +27,9 @@ the speed-up any implementation of the same computation on this machine could re
 
 The reference library, side by side: when TRL's PPO is importable (`pip install "trl==1.12.0"`; see
 `trl_reference.py`), the same shape runs through its PPOTrainer in this process after ours, and
-`speedup_vs_trl` = TRL's seconds per iteration / ours. Without it both are null. --dtype bfloat16: ours
+`speedup_vs_trl` = TRL's seconds per iteration / ours. Without it both are null. TRL takes PPO's old log-probs
+from its generation pass; ours recomputes them with a policy forward unless `ppo.old_logprobs=sampler`:
+--sampler-logprobs times ours that way too (`speedup_vs_trl_sampler_logprobs`). --dtype bfloat16: ours
 with bf16 parameters (Megatron's mixed-precision optimizer, fp32 main weights), TRL with `bf16=True`
 (accelerate's bf16 autocast over fp32 weights): each library's own bf16 training mode. --dtype both: fp32,
 then bf16, each beside TRL's at the same precision, in one process; the JSON line holds one record per
@@ -104,7 +107,7 @@ def setup(shape: dict, dtype: str):
     return ModelConfig(**shape, params_dtype=dtype), parallel
 
 
-def build(model_cfg, parallel, max_new_tokens: int):
+def build(model_cfg, parallel, max_new_tokens: int, old_logprobs: str = "recompute"):
     from megatron_rlhf.config.schema import TrainConfig
     from megatron_rlhf.models.build import build_model
     from megatron_rlhf.config.ppo import PPOSection
@@ -119,7 +122,7 @@ def build(model_cfg, parallel, max_new_tokens: int):
     policy, value = trainable("lm"), trainable("scalar")
     reference, reward = build_model(model_cfg, parallel, head="lm"), build_model(model_cfg, parallel, head="scalar")
     ppo = PPOSection(rollout_batch_size=PROMPTS, minibatch_size=PROMPTS // MINIBATCHES, epochs=EPOCHS,
-                     max_new_tokens=max_new_tokens)
+                     max_new_tokens=max_new_tokens, old_logprobs=old_logprobs)
     cfg = SimpleNamespace(ppo=ppo, train=SimpleNamespace(seed=0, micro_batch_size=PROMPTS // MINIBATCHES),
                           vocab_size=model_cfg.vocab_size)
     return cfg, policy, value, {"policy": policy.chunks, "value": value.chunks, "reference": reference, "reward": reward}
@@ -140,7 +143,8 @@ def iteration(cfg, engine, policy, value, models, prompts, it: int, timer: dict)
     rows = [ids[i][mask[i]].tolist() for i in range(PROMPTS)]
     exp = build_experience(rows, out, 0)
     marks.append(time.perf_counter())
-    score_and_recompute(exp, models, Frozen(cfg.vocab_size, 1.0), cfg.train.micro_batch_size)
+    score_and_recompute(exp, models, Frozen(cfg.vocab_size, 1.0), cfg.train.micro_batch_size,
+                        old_logprobs=p.old_logprobs)
     marks.append(time.perf_counter())
     estimate_advantages(exp, 0.05, "k1", 1.0, 0.95, True)
     marks.append(time.perf_counter())
@@ -169,10 +173,10 @@ def kernel_seconds(run, top: int = 0) -> float:
 
 
 def measure(model_cfg, parallel, max_new_tokens: int, repeats: int, clock: Clock = None, floor: dict = None,
-            top: int = 0):
+            top: int = 0, old_logprobs: str = "recompute"):
     from megatron_rlhf.rollout.megatron_engine import MegatronRolloutEngine
 
-    cfg, policy, value, models = build(model_cfg, parallel, max_new_tokens)
+    cfg, policy, value, models = build(model_cfg, parallel, max_new_tokens, old_logprobs)
     engine = MegatronRolloutEngine(policy.chunks, eos_id=None, pad_id=0, vocab_size=model_cfg.vocab_size)
     prompts = random_prompts()
     iteration(cfg, engine, policy, value, models, prompts, 0, {})  # warm-up
@@ -213,6 +217,10 @@ def run(args, dtype: str, clock: Clock) -> dict:
     print(f"inside model forward/backward/optimizer: {', '.join(f'{k} {v:.3f}s' for k, v in model_seconds.items())} "
           f"per iteration; overhead fraction {overhead:.3f}; GEMM + attention kernels alone {floor['s']:.3f}s "
           f"({floor['s'] / s_per_iter:.0%} of the iteration)")
+    sampler_s = None
+    if args.sampler_logprobs:  # ours again, with PPO's old log-probs taken from the sampler as TRL takes them
+        sampler_s = measure(model_cfg, parallel, 64, repeats, old_logprobs="sampler")[0]
+        print(f"ours with ppo.old_logprobs=sampler: {sampler_s:.3f} s/iteration")
     trl_s = None
     if args.no_trl:
         print("TRL's side skipped (--no-trl)")
@@ -223,6 +231,8 @@ def run(args, dtype: str, clock: Clock) -> dict:
                                                                bf16=dtype == "bfloat16")
         print(f"TRL PPOTrainer, same shape, {dtype}: {trl_s:.3f} s/iteration ({', '.join(f'{t:.3f}' for t in trl_times)}); "
               f"ours is {trl_s / s_per_iter:.2f}x faster; the kernels alone bound it at {trl_s / floor['s']:.2f}x")
+        if sampler_s is not None:
+            print(f"with the old log-probs from the sampler (TRL's way) ours is {trl_s / sampler_s:.2f}x faster")
     else:
         print("TRL's PPO is not importable here (pip install 'trl==1.12.0'): no side-by-side reference figure")
     if reference:
@@ -237,6 +247,8 @@ def run(args, dtype: str, clock: Clock) -> dict:
         "length_scaling_exponent": None if slope is None else round(slope, 4),
         "s_per_iter_trl": None if trl_s is None else round(trl_s, 4),
         "speedup_vs_trl": None if trl_s is None else round(trl_s / s_per_iter, 3),
+        "s_per_iter_sampler_logprobs": None if sampler_s is None else round(sampler_s, 4),
+        "speedup_vs_trl_sampler_logprobs": None if trl_s is None or sampler_s is None else round(trl_s / sampler_s, 3),
         "kernel_floor_s_per_iter": round(floor["s"], 4),
         "kernel_fraction": round(floor["s"] / s_per_iter, 4),
         "speedup_bound_vs_trl": None if trl_s is None else round(trl_s / floor["s"], 3),
@@ -250,20 +262,22 @@ def main():
                         help="both: fp32 then bf16 in this process, each beside TRL's, and ours bf16 against ours fp32")
     parser.add_argument("--repeats", type=int, default=None, help="timed iterations (default 5; 2 at smollm2-135m)")
     parser.add_argument("--no-trl", action="store_true", help="skip TRL's side")
+    parser.add_argument("--sampler-logprobs", action="store_true",
+                        help="also time ours with ppo.old_logprobs=sampler (no policy forward for the old log-probs, "
+                             "as TRL's PPOTrainer takes them from generation)")
     parser.add_argument("--profile", type=int, default=0, metavar="N", help="print the N ops with most self time")
     args = parser.parse_args()
     from megatron.core.models.gpt import GPTModel
-    from megatron.core.optimizer import optimizer as mopt
 
     from megatron_rlhf.rollout.lean_decode import LeanDecoder
+    from megatron_rlhf.trainer import optim
 
     clock = Clock()
     clock.wrap(GPTModel, "forward", "forward")
     for name in ("prefill", "step"):  # the sampler's forward when it does not go through GPTModel.forward
         clock.wrap(LeanDecoder, name, "forward")
     clock.wrap(torch.autograd, "backward", "backward")
-    for cls in (mopt.ChainedOptimizer, mopt.FP32Optimizer, mopt.MixedPrecisionOptimizer):
-        clock.wrap(cls, "step", "optimizer")  # outermost call only: a chained step counts once
+    clock.wrap(optim, "optimizer_step", "optimizer")
     dtypes = ("float32", "bfloat16") if args.dtype == "both" else (args.dtype,)
     results = {dtype: run(args, dtype, clock) for dtype in dtypes}
     line = {"shape": args.shape, **results[dtypes[0]]} if len(dtypes) == 1 else {"shape": args.shape, **results}

@@ -64,6 +64,11 @@ class PPOSection:
     top_k: int = _f(0, "sample among the k most likely tokens only; 0 = off. The trainer's log-probs stay over the "
                     "whole vocabulary, so PPO's ratio then also corrects for the truncation (ppo/rho_* show it)")
     top_p: float = _f(1.0, "nucleus sampling: the smallest set of most likely tokens with this mass; 1 = off (see top_k)")
+    old_logprobs: str = _f("recompute", "PPO's pi_old: recompute = a policy forward over the rollouts in the trainer's "
+                           "numerics (the first minibatch's ratio is exactly 1); sampler = the log-probs the generation "
+                           "engine reported, one policy forward fewer per iteration (as TRL's PPOTrainer takes them), "
+                           "their numerical gap to the trainer then entering the ratio and the KL reward",
+                           choices=("recompute", "sampler"))
     rollout_correction: str = _f("none", "weights on the policy loss for the sampler/trainer gap w = pi_old / "
                                  "sampler per token (algo/correction.py): tis = min(w, cap), mis = w inside "
                                  "[1/cap, cap] and 0 outside", choices=("none", "tis", "mis"))
@@ -118,6 +123,13 @@ def validate_ppo(cfg) -> None:
     require(p.temperature > 0, f"ppo.temperature={p.temperature} must be > 0")
     require(p.top_k >= 0, f"ppo.top_k={p.top_k} must be >= 0 (0: off)")
     require(0 < p.top_p <= 1, f"ppo.top_p={p.top_p} must be in (0, 1] (1: off)")
+    if p.old_logprobs == "sampler":
+        require(p.top_k == 0 and p.top_p == 1, f"ppo.old_logprobs=sampler with ppo.top_k={p.top_k}, ppo.top_p={p.top_p}: "
+                "the sampler's log-probs are under the truncated distribution, not the policy's; use "
+                "ppo.old_logprobs=recompute or turn the truncation off (top_k=0, top_p=1)")
+        require(p.rollout_correction == "none", f"ppo.old_logprobs=sampler with ppo.rollout_correction="
+                f"{p.rollout_correction}: the correction weighs pi_old against the sampler, which are then the same; "
+                "use ppo.old_logprobs=recompute or ppo.rollout_correction=none")
     require(math.isfinite(p.rollout_correction_cap) and p.rollout_correction_cap > 1,
             f"ppo.rollout_correction_cap={p.rollout_correction_cap} must be a finite number > 1")
     require(math.isfinite(p.beta) and p.beta >= 0, f"ppo.beta={p.beta} must be a finite number >= 0")

@@ -50,6 +50,25 @@ def _rotate(t: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, sign: int) ->
     return out
 
 
+_angles: dict = {}  # dtype -> (freqs, its version, cos, sin): the last angles seen
+
+
+def _cos_sin(freqs: torch.Tensor, dtype: torch.dtype):
+    """cos / sin [s, 1, 1, d / 2] of freqs [s, 1, 1, d], in `dtype` as Megatron casts them. Megatron's
+    non-interleaved angles are [f, f] (cat of the half-size frequencies with themselves), so one half serves
+    both halves. Every layer's queries and keys of a forward get the same `freqs` tensor (and Megatron's
+    rotary embedding caches it per sequence length), so they are computed once for all of them, not twice per
+    layer (4 small ops each time)."""
+    hit = _angles.get(dtype)
+    if hit is not None and hit[0] is freqs and hit[1] == freqs._version \
+            and hit[2].is_inference() == torch.is_inference_mode_enabled():  # autograd cannot save inference tensors
+        return hit[2], hit[3]
+    half = freqs[..., : freqs.shape[-1] // 2]
+    cos, sin = torch.cos(half).to(dtype), torch.sin(half).to(dtype)
+    _angles[dtype] = (freqs, freqs._version, cos, sin)
+    return cos, sin
+
+
 def install() -> None:
     """Route Megatron's unfused bshd RoPE through `_Rope` where it applies (idempotent)."""
     global _installed
@@ -63,10 +82,7 @@ def install() -> None:
         d = freqs.shape[-1]
         if rotary_interleaved or multi_latent_attention or mscale != 1.0 or d != t.shape[-1] or d % 2:
             return megatron_rope(t, freqs, rotary_interleaved, multi_latent_attention, mscale)
-        # Megatron's non-interleaved angles are [f, f] (cat of the half-size frequencies with themselves),
-        # so one half of cos / sin serves both halves; cast to t's dtype as Megatron does.
-        half = freqs[..., : d // 2]
-        return _Rope.apply(t, torch.cos(half).to(t.dtype), torch.sin(half).to(t.dtype))
+        return _Rope.apply(t, *_cos_sin(freqs, t.dtype))
 
     apply_rope.megatron = megatron_rope
     rope_utils._apply_rotary_pos_emb_bshd = apply_rope

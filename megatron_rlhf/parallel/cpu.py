@@ -263,8 +263,11 @@ class _EmbeddingFunctional:
 
     @staticmethod
     def embedding(input, weight, *args, **kwargs):
-        if getattr(weight, "lookup_into_main_grad", False) and not (args or kwargs) and torch.is_grad_enabled() \
-                and weight.requires_grad:
+        if getattr(weight, "lookup_into_main_grad", False) and torch.is_grad_enabled() and weight.requires_grad:
+            if args or kwargs:  # a dense gradient here would meet a tied output layer's unzeroed dummy: refuse
+                raise RuntimeError(
+                    "megatron_rlhf's CPU layer: F.embedding with extra arguments on a weight whose gradient goes "
+                    "straight into DDP's buffer; megatron-core's VocabParallelEmbedding changed (parallel/cpu.py item 8)")
             return _LookupIntoMainGrad.apply(input, weight)
         return torch.nn.functional.embedding(input, weight, *args, **kwargs)
 
@@ -289,16 +292,24 @@ def fuse_grad_accumulation(chunk: torch.nn.Module) -> None:
     model = chunk
     while hasattr(model, "module"):
         model = model.module
+    tied_fused = None  # the tied embedding weight, when the output layer that uses it is fused
     for module in model.modules():
         if isinstance(module, layers.VocabParallelEmbedding) and getattr(module.weight, "main_grad", None) is not None:
             module.weight.lookup_into_main_grad = True
         if not isinstance(module, (layers.ColumnParallelLinear, layers.RowParallelLinear)):
             continue
         weight = getattr(module, "weight", None)
-        if weight is None and module is getattr(model, "output_layer", None):  # it uses the tied embedding
+        tied = weight is None and module is getattr(model, "output_layer", None)  # it uses the tied embedding
+        if tied:
             weight = model.shared_embedding_or_output_weight()
         if fp32_main_grad(weight):
             module.gradient_accumulation_fusion = True
+            tied_fused = weight if tied else tied_fused
+    if tied_fused is not None and getattr(tied_fused, "lookup_into_main_grad", False):
+        # Both uses of the tied weight write the buffer and give autograd no real gradient, so Megatron's
+        # zeroed dummy for the output layer (a fresh [V, H] zero tensor per backward, which DDP's hook then
+        # adds to the buffer) can be its unread `empty` one, which the hook skips.
+        tied_fused.zero_out_wgrad = False
 
 
 def attention_dtype(query: torch.Tensor) -> torch.dtype:

@@ -12,6 +12,7 @@ from typing import Callable, Dict, Iterable, List, Tuple
 import torch
 
 from megatron_rlhf.models.logit_rows import logits_at
+from megatron_rlhf.trainer import optim
 
 Batch = Dict[str, torch.Tensor]
 LossFn = Callable[[torch.Tensor, Batch], Tuple[torch.Tensor, torch.Tensor, Dict[str, Tuple[torch.Tensor, torch.Tensor]]]]
@@ -113,35 +114,6 @@ def _pp_size() -> int:
     return ps.get_pipeline_model_parallel_world_size()
 
 
-def grads_finite(chunks) -> bool:
-    """True when every gradient of every rank is finite (one MAX all-reduce over the world).
-
-    A Megatron DDP chunk is checked through its flat gradient buffers, a plain module through each .grad.
-    Fast path: a sum is non-finite whenever one of its elements is (NaN, +-inf), and summing is ~40x cheaper
-    than `isfinite().all()` over every element (which was ~3% of a PPO iteration on the benchmark's small
-    model). A sum of finite fp32 values can still overflow, so only then are the elements checked one by one.
-    """
-    grads = []
-    for chunk in chunks:
-        buffers = getattr(chunk, "buffers", None)  # Megatron DDP: every gradient lives in a few flat buffers
-        if isinstance(buffers, list):  # (a plain nn.Module's `buffers` is a method)
-            extra = getattr(chunk, "expert_parallel_buffers", None) or []
-            grads.extend(b.grad_data for b in [*buffers, *extra])
-            continue
-        for p in chunk.parameters():
-            g = getattr(p, "main_grad", None)
-            g = p.grad if g is None else g
-            if g is not None:
-                grads.append(g)
-    device = grads[0].device if grads else torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    bad = torch.zeros(1, device=device)
-    if grads and not bool(torch.isfinite(torch.stack([g.sum() for g in grads])).all()):
-        bad = (~torch.stack([torch.isfinite(g).all() for g in grads]).all()).float().reshape(1)
-    if torch.distributed.is_initialized():
-        torch.distributed.all_reduce(bad, op=torch.distributed.ReduceOp.MAX)
-    return not bool(bad.item())
-
-
 def train_step(chunks, optimizer, scheduler, microbatches: Iterable[Batch], forward_step,
                skip_nonfinite: bool = False) -> Dict[str, float]:
     """Zero grads, forward/backward over all microbatches, optimizer step, scheduler step.
@@ -155,11 +127,7 @@ def train_step(chunks, optimizer, scheduler, microbatches: Iterable[Batch], forw
         chunk.zero_grad_buffer()
     optimizer.zero_grad()
     outputs = run_schedule(chunks, microbatches, forward_step)
-    if skip_nonfinite and not grads_finite(chunks):
-        stats = reduce_stats(outputs)
-        stats.update(grad_norm=float("nan"), lr=optimizer.param_groups[0]["lr"], skipped=1.0)
-        return stats
-    ok, grad_norm, _ = optimizer.step()
+    ok, grad_norm = optim.optimizer_step(optimizer, chunks, skip_nonfinite)
     if ok:
         scheduler.step(increment=1)
     stats = reduce_stats(outputs)

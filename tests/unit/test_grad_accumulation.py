@@ -3,6 +3,7 @@ that uses the tied embedding among them, add their weight gradients straight int
 embedding lookup adds its gradient rows into it; the buffer ends up as the unfused path leaves it, over two
 microbatches. bf16 linear layers keep the unfused path; their embedding lookup still goes into the buffer."""
 
+import pytest
 import torch
 
 from megatron_rlhf.models.build import build_model
@@ -44,12 +45,23 @@ def test_fused_accumulation_matches_the_hook_path(world):
     # qkv, proj, fc1, fc2 x 2 layers, and the output layer
     assert len(linears) == 9 and all(m.gradient_accumulation_fusion for m in linears)
     assert embedding.lookup_into_main_grad
+    assert embedding.zero_out_wgrad is False  # no zeroed [V, H] dummy gradient for the output layer to add
     fused, plain = _main_grads(fused_chunk), _main_grads(plain_chunk)
     assert fused.keys() == plain.keys() and "embedding.word_embeddings.weight" in fused
     for name in fused:
         assert fused[name].abs().sum() > 0, name
         assert torch.allclose(fused[name], plain[name], atol=1e-5, rtol=1e-5), name
     assert embedding.grad is None  # every gradient went into the buffer; none was left on the parameter
+
+
+def test_a_dense_lookup_of_a_weight_that_writes_the_buffer_is_refused(world):
+    from megatron.core.tensor_parallel import layers
+
+    chunk, _, embedding = _wrapped()
+    with torch.no_grad():  # no gradient, nothing to lose: torch's own lookup
+        assert layers.F.embedding(torch.tensor([[1, 2]]), embedding, padding_idx=0).shape == (1, 2, 32)
+    with pytest.raises(RuntimeError, match="VocabParallelEmbedding changed"):  # its gradient would be lost
+        layers.F.embedding(torch.tensor([[1, 2]]), embedding, padding_idx=0)
 
 
 def test_bf16_layers_keep_the_unfused_path(world):

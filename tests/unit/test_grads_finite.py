@@ -1,4 +1,4 @@
-"""`step.grads_finite`: one NaN or Inf in any gradient (Megatron DDP's flat buffers or a plain module's
+"""`optim.grads_finite`: one NaN or Inf in any gradient (Megatron DDP's flat buffers or a plain module's
 .grad) is found; finite gradients pass."""
 
 import pytest
@@ -8,7 +8,7 @@ from megatron_rlhf.models.build import build_model
 from megatron_rlhf.models.spec import ModelConfig
 from megatron_rlhf.parallel.layout import ParallelConfig
 from megatron_rlhf.trainer.optim import wrap_ddp
-from megatron_rlhf.trainer.step import grads_finite
+from megatron_rlhf.trainer.optim import grads_finite
 
 
 def _model():

@@ -44,3 +44,22 @@ def test_other_cases_take_megatrons_path():
                           (_freqs(5, 4), {}),  # rotation over part of the head
                           (_freqs(5, 8), {"mscale": 0.5})):
         assert torch.equal(ours(t, freqs, **kwargs), megatron(t, freqs, **kwargs))
+
+
+def test_the_angles_are_computed_once_per_freqs_tensor(monkeypatch):
+    ours, megatron = _megatron_rope()
+    freqs, other, t = _freqs(6, 8), _freqs(6, 8) * 2, torch.randn(6, 1, 2, 8)
+    expected = {id(f): megatron(t, f) for f in (freqs, other)}
+    calls = []
+    cos = torch.cos
+    monkeypatch.setattr(torch, "cos", lambda x: calls.append(x.shape) or cos(x))
+    for _ in range(3):  # the layers of one forward, queries and keys
+        assert torch.equal(ours(t, freqs), expected[id(freqs)])
+    assert len(calls) == 1
+    assert torch.equal(ours(t, other), expected[id(other)])  # new angles (another length or offset): recomputed
+    assert len(calls) == 2
+    with torch.inference_mode():  # inference tensors are kept apart from autograd's
+        ours(t, other)
+    x = t.clone().requires_grad_()
+    ours(x, other).sum().backward()
+    assert x.grad is not None and len(calls) == 4

@@ -1,7 +1,8 @@
 """Phases 2-4 of a PPO iteration, on this data-parallel rank's rollouts:
 
     2. score:       reward model at the last real token; no EOS -> -missing_eos_penalty; normalised
-    3. recompute:   policy logprobs (PPO's old logprobs), reference logprobs, values
+    3. recompute:   policy logprobs (PPO's old logprobs; or the sampler's, ppo.old_logprobs), reference
+                    logprobs, values
     4. advantages:  shaped rewards -> GAE -> whitening over all data-parallel ranks (the critic-free
                     estimators: trainer/ppo/critic_free.py)
 
@@ -143,16 +144,20 @@ def forward_collect(chunks, microbatches: List[Batch], extract: Callable[[torch.
 
 
 def score_and_recompute(exp: Experience, models: Dict[str, list], frozen: Frozen, micro_batch_size: int,
-                        with_values: bool = True) -> Experience:
+                        with_values: bool = True, old_logprobs: str = "recompute") -> Experience:
     """Phases 2-3: fills logprobs, ref_logprobs, values, rm_scores and scores of `exp` (in place; returned).
 
     `models`: chunks by name ("policy", "reference", "reward" and, with `with_values`, "value"; without a
-    "value" model, the critic-free estimators, exp.values stays None)."""
+    "value" model, the critic-free estimators, exp.values stays None). `old_logprobs` (ppo.old_logprobs):
+    "sampler" takes exp.logprobs from exp.sampler_logprobs instead of a policy forward."""
     mbs = exp.microbatches(micro_batch_size)
     v, t = frozen.vocab_size, frozen.temperature
     cat = lambda parts: torch.cat(parts)  # noqa: E731
     exp.rm_scores, exp.scores = score_responses(models["reward"], mbs, frozen)
-    exp.logprobs = cat(collect_logprobs(models["policy"], mbs, v, t))
+    if old_logprobs == "sampler":
+        exp.logprobs = exp.sampler_logprobs.clone()
+    else:
+        exp.logprobs = cat(collect_logprobs(models["policy"], mbs, v, t))
     exp.ref_logprobs = cat(collect_logprobs(models["reference"], mbs, v, t))
     mask = exp.response_mask
     if with_values and "value" in models:

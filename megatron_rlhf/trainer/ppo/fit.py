@@ -142,7 +142,8 @@ def fit(cfg) -> Dict[str, float]:
                         prompt_indices = next(sampler)
                         exp = rollout(engine, train_prompts, prompt_indices, cfg, iteration, ctx.dp_rank, tok)
                     with metrics.timer("time/score"), m.frozen_on_device():
-                        score_and_recompute(exp, m.forward_models(), frozen, cfg.train.micro_batch_size)
+                        score_and_recompute(exp, m.forward_models(), frozen, cfg.train.micro_batch_size,
+                                            old_logprobs=p.old_logprobs)
                         greedy = cf.remax_baseline(engine, [train_prompts[i] for i in prompt_indices], tok, m.reward,
                                                    frozen, cfg)
                 with metrics.timer("time/advantages"):
