@@ -26,8 +26,9 @@ aten::mm/addmm/bmm and the SDPA kernels): work TRL does too, so `s_per_iter_trl 
 the speed-up any implementation of the same computation on this machine could reach.
 
 The reference library, side by side: when TRL's PPO is importable (`pip install "trl==1.12.0"`; see
-`trl_reference.py`), the same shape runs through its PPOTrainer in this process after ours, and
-`speedup_vs_trl` = TRL's seconds per iteration / ours. Without it both are null. TRL takes PPO's old log-probs
+`trl_reference.py`), the same shape runs through its PPOTrainer in this process, interleaved with ours (one
+iteration of ours after each of TRL's updates, off TRL's clock, so the VM's drift over a run slows both
+alike), and `speedup_vs_trl` = TRL's median seconds per iteration / ours. Without it both are null. TRL takes PPO's old log-probs
 from its generation pass; ours recomputes them with a policy forward unless `ppo.old_logprobs=sampler`:
 --sampler-logprobs times ours that way too (`speedup_vs_trl_sampler_logprobs`). --dtype bfloat16: ours
 with bf16 parameters (Megatron's mixed-precision optimizer, fp32 main weights), TRL with `bf16=True`
@@ -67,6 +68,11 @@ class Clock:
 
     seconds: dict = field(default_factory=lambda: {"forward": 0.0, "backward": 0.0, "optimizer": 0.0})
     depth: int = 0
+    enabled: bool = True  # off: calls pass through uncounted (TRL's, the profiled and the warm-up iterations)
+
+    def reset(self):
+        self.seconds = {bucket: 0.0 for bucket in self.seconds}
+        self.enabled = False
 
     def wrap(self, owner, name: str, bucket: str):
         inner = getattr(owner, name)
@@ -74,7 +80,7 @@ class Clock:
 
         @functools.wraps(inner)  # megatron inspects forward's signature
         def timed(*args, **kwargs):
-            if clock.depth:
+            if clock.depth or not clock.enabled:
                 return inner(*args, **kwargs)
             clock.depth += 1
             start = time.perf_counter()
@@ -172,86 +178,110 @@ def kernel_seconds(run, top: int = 0) -> float:
     return sum(e.self_cpu_time_total for e in prof.key_averages() if e.key in KERNELS) / 1e6
 
 
-def measure(model_cfg, parallel, max_new_tokens: int, repeats: int, clock: Clock = None, floor: dict = None,
-            top: int = 0, old_logprobs: str = "recompute"):
+def prepare(model_cfg, parallel, max_new_tokens: int) -> SimpleNamespace:
+    """Ours at one shape (four models, the sampler, the prompts), after one warm-up iteration."""
     from megatron_rlhf.rollout.megatron_engine import MegatronRolloutEngine
 
-    cfg, policy, value, models = build(model_cfg, parallel, max_new_tokens, old_logprobs)
+    cfg, policy, value, models = build(model_cfg, parallel, max_new_tokens)
     engine = MegatronRolloutEngine(policy.chunks, eos_id=None, pad_id=0, vocab_size=model_cfg.vocab_size)
-    prompts = random_prompts()
-    iteration(cfg, engine, policy, value, models, prompts, 0, {})  # warm-up
-    if clock is not None:
-        for bucket in clock.seconds:
-            clock.seconds[bucket] = 0.0
-    timer, times = {}, []
-    for it in range(1, repeats + 1):
-        times.append(iteration(cfg, engine, policy, value, models, prompts, it, timer))
-        print(f"  {max_new_tokens} new tokens, iteration {it}: {times[-1]:.3f} s", flush=True)
-    if floor is not None:  # after the timed iterations (the profiler must not slow those), off the clock
-        kept = dict(clock.seconds) if clock is not None else None
-        floor["s"] = kernel_seconds(lambda: iteration(cfg, engine, policy, value, models, prompts, repeats + 1, {}), top)
-        if kept is not None:
-            clock.seconds.update(kept)
-    return statistics.median(times), {k: v / repeats for k, v in timer.items()}, sum(times)
+    ours = SimpleNamespace(cfg=cfg, engine=engine, policy=policy, value=value, models=models, prompts=random_prompts(),
+                           count=0)
+    timed_iteration(ours, {})
+    return ours
+
+
+def timed_iteration(ours: SimpleNamespace, timer: dict, old_logprobs: str = "recompute") -> float:
+    """One more iteration of `ours` (each draws its own samples); its seconds, its phases added to `timer`."""
+    ours.cfg.ppo.old_logprobs = old_logprobs
+    seconds = iteration(ours.cfg, ours.engine, ours.policy, ours.value, ours.models, ours.prompts, ours.count, timer)
+    ours.count += 1
+    return seconds
+
+
+def measure(model_cfg, parallel, max_new_tokens: int, repeats: int) -> float:
+    """Median seconds per iteration of ours alone (the length sweep)."""
+    ours = prepare(model_cfg, parallel, max_new_tokens)
+    return statistics.median(timed_iteration(ours, {}) for _ in range(repeats))
 
 
 def run(args, dtype: str, clock: Clock) -> dict:
-    """Ours (and TRL's, unless --no-trl) at one precision: prints the figures, returns the JSON fields."""
+    """Ours (and TRL's, unless --no-trl) at one precision: prints the figures, returns the JSON fields.
+
+    With TRL, ours runs one iteration after each of TRL's updates, in TRL's callback and off TRL's clock: the
+    two alternate, so the VM's drift over the minutes of a run (tens of percent) slows both alike."""
     reference = args.shape == "reference"
     repeats = args.repeats or (5 if reference else 2)
     shape = SHAPES[args.shape]
     model_cfg, parallel = setup(shape, dtype)
-    floor = {}
-    s_per_iter, phases, total = measure(model_cfg, parallel, 64, repeats, clock=clock, floor=floor, top=args.profile)
-    model_seconds = {k: v / repeats for k, v in clock.seconds.items()}  # per iteration, before scaling runs add more
-    overhead = 1.0 - sum(clock.seconds.values()) / total
+    ours = prepare(model_cfg, parallel, 64)
+    modes = ("recompute", "sampler") if args.sampler_logprobs else ("recompute",)
+    times, timers = {m: [] for m in modes}, {m: {} for m in modes}
+    clock.reset()
+
+    def ours_round():
+        for mode in modes:
+            if len(times[mode]) < repeats:
+                clock.enabled = mode == "recompute"  # the model-time split is of the default mode
+                times[mode].append(timed_iteration(ours, timers[mode], mode))
+                clock.enabled = False
+                print(f"  ours ({mode}), iteration {len(times[mode])}: {times[mode][-1]:.3f} s", flush=True)
+
+    trl_s = None
+    if args.no_trl or not trl_reference.available():
+        print("TRL's side skipped (--no-trl)" if args.no_trl else
+              "TRL's PPO is not importable here (pip install 'trl==1.12.0'): no side-by-side reference figure")
+        for _ in range(repeats):
+            ours_round()
+    else:
+        ids, mask = random_prompts()
+        rows = [ids[i][mask[i]].tolist() for i in range(PROMPTS)]
+        trl_s, trl_times = trl_reference.seconds_per_iteration(shape, PROMPTS, MINIBATCHES, EPOCHS, 64, repeats, rows,
+                                                               bf16=dtype == "bfloat16", between=ours_round)
+    s_per_iter, phases = statistics.median(times["recompute"]), {k: v / repeats for k, v in timers["recompute"].items()}
+    model_seconds = {k: v / repeats for k, v in clock.seconds.items()}
+    overhead = 1.0 - sum(clock.seconds.values()) / sum(times["recompute"])
+    # After the timed iterations (the profiler must not slow those), off the clock.
+    floor = kernel_seconds(lambda: timed_iteration(ours, {}), args.profile)
+    del ours
     scaling, slope = {64: s_per_iter}, None
     if reference:  # at the realistic shape one iteration takes about a minute: no length sweep there
         for n in (128, 256):
-            scaling[n] = measure(model_cfg, parallel, n, repeats=2)[0]
+            scaling[n] = measure(model_cfg, parallel, n, repeats=2)
         xs, ys = [math.log(n) for n in scaling], [math.log(t) for t in scaling.values()]
         mx, my = sum(xs) / len(xs), sum(ys) / len(ys)
         slope = sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / sum((x - mx) ** 2 for x in xs)
     print(f"{args.shape} shape, {dtype}: {s_per_iter:.3f} s/iteration; "
           f"phases {', '.join(f'{k} {v:.3f}s' for k, v in phases.items())}")
     print(f"inside model forward/backward/optimizer: {', '.join(f'{k} {v:.3f}s' for k, v in model_seconds.items())} "
-          f"per iteration; overhead fraction {overhead:.3f}; GEMM + attention kernels alone {floor['s']:.3f}s "
-          f"({floor['s'] / s_per_iter:.0%} of the iteration)")
-    sampler_s = None
-    if args.sampler_logprobs:  # ours again, with PPO's old log-probs taken from the sampler as TRL takes them
-        sampler_s = measure(model_cfg, parallel, 64, repeats, old_logprobs="sampler")[0]
+          f"per iteration; overhead fraction {overhead:.3f}; GEMM + attention kernels alone {floor:.3f}s "
+          f"({floor / s_per_iter:.0%} of the iteration)")
+    sampler_s = statistics.median(times["sampler"]) if "sampler" in times else None
+    if sampler_s is not None:
         print(f"ours with ppo.old_logprobs=sampler: {sampler_s:.3f} s/iteration")
-    trl_s = None
-    if args.no_trl:
-        print("TRL's side skipped (--no-trl)")
-    elif trl_reference.available():
-        ids, mask = random_prompts()
-        rows = [ids[i][mask[i]].tolist() for i in range(PROMPTS)]
-        trl_s, trl_times = trl_reference.seconds_per_iteration(shape, PROMPTS, MINIBATCHES, EPOCHS, 64, repeats, rows,
-                                                               bf16=dtype == "bfloat16")
+    if trl_s is not None:
         print(f"TRL PPOTrainer, same shape, {dtype}: {trl_s:.3f} s/iteration ({', '.join(f'{t:.3f}' for t in trl_times)}); "
-              f"ours is {trl_s / s_per_iter:.2f}x faster; the kernels alone bound it at {trl_s / floor['s']:.2f}x")
+              f"ours is {trl_s / s_per_iter:.2f}x faster; the kernels alone bound it at {trl_s / floor:.2f}x")
         if sampler_s is not None:
             print(f"with the old log-probs from the sampler (TRL's way) ours is {trl_s / sampler_s:.2f}x faster")
-    else:
-        print("TRL's PPO is not importable here (pip install 'trl==1.12.0'): no side-by-side reference figure")
     if reference:
         print(f"new tokens -> s/iteration: {', '.join(f'{n}: {t:.3f}' for n, t in scaling.items())}; exponent {slope:.3f}")
     return {
         "dtype": dtype,
         "s_per_iter": round(s_per_iter, 4),
+        "s_per_iter_each": [round(t, 4) for t in times["recompute"]],
         "phase_seconds": {k: round(v, 4) for k, v in phases.items()},
         "model_seconds_per_iter": {k: round(v, 4) for k, v in model_seconds.items()},
         "overhead_fraction": round(overhead, 4),
         "s_per_iter_by_new_tokens": {str(n): round(t, 4) for n, t in scaling.items()},
         "length_scaling_exponent": None if slope is None else round(slope, 4),
         "s_per_iter_trl": None if trl_s is None else round(trl_s, 4),
+        "s_per_iter_trl_each": None if trl_s is None else [round(t, 4) for t in trl_times],
         "speedup_vs_trl": None if trl_s is None else round(trl_s / s_per_iter, 3),
         "s_per_iter_sampler_logprobs": None if sampler_s is None else round(sampler_s, 4),
         "speedup_vs_trl_sampler_logprobs": None if trl_s is None or sampler_s is None else round(trl_s / sampler_s, 3),
-        "kernel_floor_s_per_iter": round(floor["s"], 4),
-        "kernel_fraction": round(floor["s"] / s_per_iter, 4),
-        "speedup_bound_vs_trl": None if trl_s is None else round(trl_s / floor["s"], 3),
+        "kernel_floor_s_per_iter": round(floor, 4),
+        "kernel_fraction": round(floor / s_per_iter, 4),
+        "speedup_bound_vs_trl": None if trl_s is None else round(trl_s / floor, 3),
     }
 
 

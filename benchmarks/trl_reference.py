@@ -42,11 +42,12 @@ def _tokenizer(vocab_size: int):
 
 
 def seconds_per_iteration(shape: dict, prompts: int, minibatches: int, epochs: int, new_tokens: int,
-                          repeats: int, prompt_ids: list, bf16: bool = False) -> tuple:
+                          repeats: int, prompt_ids: list, bf16: bool = False, between=None) -> tuple:
     """(median seconds per PPO update, every update's seconds) over `repeats` updates after one warm-up.
 
     `shape`: benchmarks/shapes.py's dict (optional rotary_base, tie_embeddings). `bf16`: TRL's own bf16 mode
-    (`PPOConfig(bf16=True)`: accelerate's autocast over fp32 weights)."""
+    (`PPOConfig(bf16=True)`: accelerate's autocast over fp32 weights). `between()`, when given, runs after each
+    update, off the clock (the other side of a comparison, interleaved with TRL's updates)."""
     from datasets import Dataset
     from transformers import LlamaConfig, LlamaForCausalLM, LlamaForSequenceClassification, TrainerCallback
     from trl.experimental.ppo import PPOConfig, PPOTrainer
@@ -65,11 +66,15 @@ def seconds_per_iteration(shape: dict, prompts: int, minibatches: int, epochs: i
         m.generation_config.eos_token_id = None  # never end early, as in our benchmark
         m.generation_config.pad_token_id = 0
     dataset = Dataset.from_dict({"input_ids": [list(p) for p in prompt_ids]})
-    stamps = []
+    starts, ends = [], []
 
     class Stamp(TrainerCallback):
         def on_step_end(self, args, state, control, **kwargs):
-            stamps.append(time.perf_counter())
+            ends.append(time.perf_counter())
+            if between is not None:
+                between()
+                torch.set_num_threads(2)  # as TRL's side runs
+            starts.append(time.perf_counter())
 
     with tempfile.TemporaryDirectory() as out:
         # TRL: rollout batch = per_device_train_batch_size x accumulation; minibatch = that / num_mini_batches
@@ -84,9 +89,9 @@ def seconds_per_iteration(shape: dict, prompts: int, minibatches: int, epochs: i
                              ref_model=reference, reward_model=reward, train_dataset=dataset, value_model=value,
                              callbacks=[Stamp()])
         torch.set_num_threads(2)
-        start = time.perf_counter()
+        starts.append(time.perf_counter())
         trainer.train()
-    times = [b - a for a, b in zip([start] + stamps, stamps)][1:]  # drop the warm-up update
+    times = [b - a for a, b in zip(starts, ends)][1:]  # drop the warm-up update
     return statistics.median(times), times
 
 
