@@ -28,7 +28,11 @@ the speed-up any implementation of the same computation on this machine could re
 The reference library, side by side: when TRL's PPO is importable (`pip install "trl==1.12.0"`; see
 `trl_reference.py`), the same shape runs through its PPOTrainer in this process, interleaved with ours (one
 iteration of ours after each of TRL's updates, off TRL's clock, so the VM's drift over a run slows both
-alike), and `speedup_vs_trl` = TRL's median seconds per iteration / ours. Without it both are null. TRL takes PPO's old log-probs
+alike; --blocks: all of ours first, then TRL's), and `speedup_vs_trl` = TRL's median seconds per iteration /
+ours. Interleaved, each side also runs in the caches, memory and library state the other leaves, and ours
+came out slower that way while TRL did not (reference shape 1.09-1.13 s against 0.96-1.06 s in blocks; bf16
+at the SmolLM2 shape 37-44 s against 31.4 s alone; docs/performance.md, runs G-J): the interleaved ratio is
+the conservative one for ours. Without it both are null. TRL takes PPO's old log-probs
 from its generation pass; ours recomputes them with a policy forward unless `ppo.old_logprobs=sampler`:
 --sampler-logprobs times ours that way too (`speedup_vs_trl_sampler_logprobs`). --dtype bfloat16: ours
 with bf16 parameters (Megatron's mixed-precision optimizer, fp32 main weights), TRL with `bf16=True`
@@ -233,10 +237,14 @@ def run(args, dtype: str, clock: Clock) -> dict:
         for _ in range(repeats):
             ours_round()
     else:
+        if args.blocks:  # all of ours first, then all of TRL's (runs A-F of docs/performance.md)
+            for _ in range(repeats):
+                ours_round()
         ids, mask = random_prompts()
         rows = [ids[i][mask[i]].tolist() for i in range(PROMPTS)]
         trl_s, trl_times = trl_reference.seconds_per_iteration(shape, PROMPTS, MINIBATCHES, EPOCHS, 64, repeats, rows,
-                                                               bf16=dtype == "bfloat16", between=ours_round)
+                                                               bf16=dtype == "bfloat16",
+                                                               between=None if args.blocks else ours_round)
     s_per_iter, phases = statistics.median(times["recompute"]), {k: v / repeats for k, v in timers["recompute"].items()}
     model_seconds = {k: v / repeats for k, v in clock.seconds.items()}
     overhead = 1.0 - sum(clock.seconds.values()) / sum(times["recompute"])
@@ -292,6 +300,9 @@ def main():
                         help="both: fp32 then bf16 in this process, each beside TRL's, and ours bf16 against ours fp32")
     parser.add_argument("--repeats", type=int, default=None, help="timed iterations (default 5; 2 at smollm2-135m)")
     parser.add_argument("--no-trl", action="store_true", help="skip TRL's side")
+    parser.add_argument("--blocks", action="store_true",
+                        help="time all of ours, then all of TRL's, instead of interleaving them (each side then runs "
+                             "alone, but minutes apart: the VM's drift enters the ratio)")
     parser.add_argument("--sampler-logprobs", action="store_true",
                         help="also time ours with ppo.old_logprobs=sampler (no policy forward for the old log-probs, "
                              "as TRL's PPOTrainer takes them from generation)")

@@ -72,8 +72,10 @@ def seconds_per_iteration(shape: dict, prompts: int, minibatches: int, epochs: i
         def on_step_end(self, args, state, control, **kwargs):
             ends.append(time.perf_counter())
             if between is not None:
+                threads = torch.get_num_threads()
+                torch.set_num_threads(2)
                 between()
-                torch.set_num_threads(2)  # as TRL's side runs
+                torch.set_num_threads(threads)
             starts.append(time.perf_counter())
 
     with tempfile.TemporaryDirectory() as out:
