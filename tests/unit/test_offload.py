@@ -17,15 +17,15 @@ from megatron_rlhf.trainer.step import make_forward_step, train_step
 VOCAB = 32
 
 
-def _trainable(dtype, distributed_optimizer, weights=None):
+def _trainable(dtype, distributed_optimizer, weights=None, clip_grad=1.0, check_for_nan=True):
     cfg = ModelConfig(num_layers=2, hidden_size=32, ffn_hidden_size=64, num_attention_heads=4, num_query_groups=2,
                       vocab_size=VOCAB, max_position_embeddings=64, params_dtype=dtype, init_method_std=0.2)
     torch.manual_seed(0)
     (model,) = build_model(cfg, ParallelConfig())
     if weights is not None:
         model.load_state_dict(weights)
-    chunks = wrap_ddp([model], distributed_optimizer)
-    opt, sched = build_optimizer(chunks, TrainConfig(lr=1e-2, clip_grad=1.0), distributed_optimizer, 10)
+    chunks = wrap_ddp([model], distributed_optimizer, check_for_nan_in_grad=check_for_nan)
+    opt, sched = build_optimizer(chunks, TrainConfig(lr=1e-2, clip_grad=clip_grad), distributed_optimizer, 10)
     return Trainable(chunks, opt, sched), model
 
 

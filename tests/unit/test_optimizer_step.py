@@ -6,32 +6,15 @@ on and off; its grad_norm is Megatron's; a NaN gradient skips the step and leave
 import pytest
 import torch
 
-from megatron_rlhf.config.schema import TrainConfig
-from megatron_rlhf.models.build import build_model
-from megatron_rlhf.models.spec import ModelConfig
-from megatron_rlhf.parallel.layout import ParallelConfig
-from megatron_rlhf.trainer import optim
 from megatron_rlhf.trainer.step import make_forward_step, run_schedule, train_step
+from tests.unit.test_offload import VOCAB, _loss
+from tests.unit.test_offload import _trainable as tiny_trainable
 
-VOCAB = 32
 
 
 def _trainable(dtype, distributed_optimizer, clip_grad, weights=None, check_for_nan=True):
-    cfg = ModelConfig(num_layers=2, hidden_size=32, ffn_hidden_size=64, num_attention_heads=4, num_query_groups=2,
-                      vocab_size=VOCAB, max_position_embeddings=64, params_dtype=dtype, init_method_std=0.2)
-    torch.manual_seed(0)
-    (model,) = build_model(cfg, ParallelConfig())
-    if weights is not None:
-        model.load_state_dict(weights)
-    chunks = optim.wrap_ddp([model], distributed_optimizer, check_for_nan_in_grad=check_for_nan)
-    opt, sched = optim.build_optimizer(chunks, TrainConfig(lr=1e-2, clip_grad=clip_grad), distributed_optimizer, 10)
-    return chunks, opt, sched, model
-
-
-def _loss(out, batch):
-    n = torch.tensor(out.shape[0] * out.shape[1])
-    loss = -torch.log_softmax(out.float(), -1)[..., 0].sum()
-    return loss, n, {"loss": (loss.detach(), n)}
+    t, model = tiny_trainable(dtype, distributed_optimizer, weights, clip_grad, check_for_nan)
+    return t.chunks, t.optimizer, t.scheduler, model
 
 
 def _microbatches(seed):
