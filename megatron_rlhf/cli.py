@@ -148,13 +148,25 @@ def _lost_peer(e: RuntimeError) -> int:
 
     if not lost_peer(e):
         raise e
-    if os.environ.get(lifetime.LAUNCHER_ENV):
-        return PEER_LOST_EXIT
-    message = (f"rank {os.environ.get('RANK', '?')} lost its connection to another rank, whose process is gone "
-               "(killed, or failed: its own output says why); a rerun resumes from the latest checkpoint")
-    if should_print_error(message):
-        print(f"error: {message}", file=sys.stderr, flush=True)
-    return PEER_LOST_EXIT
+    if not os.environ.get(lifetime.LAUNCHER_ENV):
+        message = (f"rank {os.environ.get('RANK', '?')} lost its connection to another rank, whose process is gone "
+                   "(killed, or failed: its own output says why); a rerun resumes from the latest checkpoint")
+        if should_print_error(message):
+            print(f"error: {message}", file=sys.stderr, flush=True)
+    _exit_now(PEER_LOST_EXIT)
+    return PEER_LOST_EXIT  # reached only where _exit_now is replaced (tests)
+
+
+def _exit_now(code: int) -> None:
+    """End this process without the interpreter's shutdown. With a peer gone, gloo's threads of the broken
+    group are still running; destroying them at shutdown can `std::terminate` the process ("terminate called
+    without an active exception", SIGABRT) instead of exiting with `code`, and the launcher then reports this
+    rank's abort instead of the rank that was killed. Nothing of the job is left to save: a checkpoint being
+    written is not committed (checkpoints are atomic)."""
+    _stop_watchdog()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
 
 
 def _quiet_known_warnings() -> None:

@@ -172,10 +172,8 @@ def optimizer_step(optimizer, chunks: List[torch.nn.Module], skip_nonfinite: boo
               if not getattr(o, "is_stub_optimizer", False) and o.get_parameters()]
     scaled_in_adam = []
     try:
-        for inner in inners:
+        for inner in inners if factor != 1.0 else []:
             torch_opt = getattr(inner, "optimizer", None)
-            if factor == 1.0:
-                continue
             if _fused_torch_adam(torch_opt) and factor > 0.0:
                 torch_opt.grad_scale = torch.tensor(1.0 / factor)  # Adam divides each gradient by it as it reads it
                 scaled_in_adam.append(torch_opt)

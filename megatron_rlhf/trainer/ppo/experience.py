@@ -155,7 +155,7 @@ def score_and_recompute(exp: Experience, models: Dict[str, list], frozen: Frozen
     cat = lambda parts: torch.cat(parts)  # noqa: E731
     exp.rm_scores, exp.scores = score_responses(models["reward"], mbs, frozen)
     if old_logprobs == "sampler":
-        exp.logprobs = exp.sampler_logprobs.clone()
+        exp.logprobs = exp.sampler_logprobs  # the mask product below makes it a tensor of its own
     else:
         exp.logprobs = cat(collect_logprobs(models["policy"], mbs, v, t))
     exp.ref_logprobs = cat(collect_logprobs(models["reference"], mbs, v, t))
