@@ -27,7 +27,7 @@ import os
 import sys
 import warnings
 from dataclasses import dataclass
-from typing import Callable, Optional, Sequence
+from typing import Callable, NoReturn, Optional, Sequence
 
 from megatron_rlhf.config import schema as C
 from megatron_rlhf.config import io as config_io
@@ -141,9 +141,15 @@ def _stop_watchdog() -> None:
         watchdog.stop()
 
 
-def _lost_peer(e: RuntimeError) -> int:
+def _lost_peer(e: RuntimeError) -> NoReturn:
     """A collective that failed because another rank's process is gone: that rank is the story, not this one's
-    traceback. Under `megatron-rlhf launch`, which names the rank that died, this rank exits quietly."""
+    traceback. Under `megatron-rlhf launch`, which names the rank that died, this rank exits quietly.
+
+    It exits with `os._exit`, without the interpreter's shutdown: gloo's threads of the broken group are still
+    running, and destroying them there can `std::terminate` the process ("terminate called without an active
+    exception", SIGABRT) instead of exiting with PEER_LOST_EXIT; the launcher would then report this rank's
+    abort instead of the rank that was killed. Nothing of the job is left to save: a checkpoint being written
+    is not committed (checkpoints are atomic)."""
     from megatron_rlhf.parallel.report import PEER_LOST_EXIT, lost_peer, should_print_error
 
     if not lost_peer(e):
@@ -152,21 +158,11 @@ def _lost_peer(e: RuntimeError) -> int:
         message = (f"rank {os.environ.get('RANK', '?')} lost its connection to another rank, whose process is gone "
                    "(killed, or failed: its own output says why); a rerun resumes from the latest checkpoint")
         if should_print_error(message):
-            print(f"error: {message}", file=sys.stderr, flush=True)
-    _exit_now(PEER_LOST_EXIT)
-    return PEER_LOST_EXIT  # reached only where _exit_now is replaced (tests)
-
-
-def _exit_now(code: int) -> None:
-    """End this process without the interpreter's shutdown. With a peer gone, gloo's threads of the broken
-    group are still running; destroying them at shutdown can `std::terminate` the process ("terminate called
-    without an active exception", SIGABRT) instead of exiting with `code`, and the launcher then reports this
-    rank's abort instead of the rank that was killed. Nothing of the job is left to save: a checkpoint being
-    written is not committed (checkpoints are atomic)."""
+            print(f"error: {message}", file=sys.stderr)
     _stop_watchdog()
     sys.stdout.flush()
     sys.stderr.flush()
-    os._exit(code)
+    os._exit(PEER_LOST_EXIT)
 
 
 def _quiet_known_warnings() -> None:
