@@ -70,4 +70,46 @@ def load_cluster(path: Optional[str], overrides: Sequence[str]) -> SlurmCluster:
         raise ConfigError(f"cpus_per_task={cluster.cpus_per_task} must be >= 1 (or null: all CPUs of a node)")
     if cluster.tunnel == "ssh" and not (cluster.ssh_host and cluster.ssh_user and cluster.remote_job_dir):
         raise ConfigError("tunnel=ssh needs ssh_host, ssh_user and remote_job_dir")
+    _check_signal_time(cluster)
     return cluster
+
+
+# slurmctld tests time limits, and sends `--signal` warnings, every 30 s (PERIODIC_TIMEOUT): a warning is sent at the
+# first test at which the time left is within signal_seconds + 30 s.
+_SLURM_LIMIT_CHECK_S = 30
+
+
+def slurm_time_seconds(value: str) -> Optional[int]:
+    """Slurm's --time (`M`, `M:S`, `H:M:S`, `D-H`, `D-H:M`, `D-H:M:S`) in seconds; None for no limit.
+
+    ConfigError (one line) for anything else."""
+    text = str(value).strip()
+    if text.upper() in ("UNLIMITED", "INFINITE", "-1"):
+        return None
+    days, _, clock = text.rpartition("-") if "-" in text else ("", "", text)
+    parts = clock.split(":")
+    if not (days == "" or days.isdigit()) or not all(p.isdigit() for p in parts) or len(parts) > 3:
+        raise ConfigError(f"time={value!r} is not a Slurm time limit: use minutes, MM:SS, HH:MM:SS or D-HH:MM:SS")
+    numbers = [int(p) for p in parts]
+    if days:  # D-H, D-H:M, D-H:M:S
+        h, m, s = (numbers + [0, 0])[:3]
+        return ((int(days) * 24 + h) * 60 + m) * 60 + s
+    if len(numbers) == 1:  # minutes
+        return numbers[0] * 60
+    if len(numbers) == 2:  # minutes:seconds
+        return numbers[0] * 60 + numbers[1]
+    return (numbers[0] * 60 + numbers[1]) * 60 + numbers[2]
+
+
+def _check_signal_time(cluster: SlurmCluster) -> None:
+    """The time limit must leave the SIGUSR1 warning its moment. Slurm sends it at a 30-s time-limit test, to the
+    job's steps only (`--signal` without `B:`): with too short a limit it goes out at the job's first test, possibly
+    before `srun` has started the step, and is lost: the job then runs into its limit and is killed unsaved."""
+    if cluster.signal_seconds < 0:
+        raise ConfigError(f"signal_seconds={cluster.signal_seconds} must be >= 0 (SIGUSR1 that long before the limit)")
+    limit = slurm_time_seconds(cluster.time)
+    if limit is not None and limit < cluster.signal_seconds + 2 * _SLURM_LIMIT_CHECK_S:
+        raise ConfigError(
+            f"time={cluster.time} ({limit} s) leaves no room for signal_seconds={cluster.signal_seconds}: Slurm "
+            f"sends SIGUSR1 at its time-limit test (every {_SLURM_LIMIT_CHECK_S} s), and sent before the job's step "
+            f"has started it is lost; make time at least signal_seconds + {2 * _SLURM_LIMIT_CHECK_S} s")

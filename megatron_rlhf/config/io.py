@@ -10,6 +10,7 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import os
+import re
 import typing
 from typing import Any, List, Optional, Sequence
 
@@ -48,6 +49,7 @@ def _leaf_keys(node, prefix: str = "") -> list:
 
 
 def _read_yaml(path: str):
+    import yaml
     from omegaconf import DictConfig, OmegaConf
 
     if not os.path.isfile(path):
@@ -61,16 +63,42 @@ def _read_yaml(path: str):
         if data is None or len(data) == 0:
             return OmegaConf.create({})
         raise ConfigError(f"config file '{path}' must hold a mapping of groups (model:, train:, ...), not a list")
+    with open(path, encoding="utf-8") as f:
+        for keys, text in _clock_scalars(yaml.compose(f, Loader=yaml.SafeLoader)):
+            OmegaConf.update(data, ".".join(keys), text)
     return data
+
+
+# YAML 1.1 reads an unquoted `2:00` or `4:00:00` as a base-60 integer (120, 14400): a Slurm time limit of
+# 2 minutes would become 120 minutes. No field here wants base-60 numbers, so such a value stays as written.
+_CLOCK = re.compile(r"[-+]?[1-9][0-9_]*(:[0-5]?[0-9])+")
+
+
+def _clock_scalars(node, keys=()) -> list:
+    """[(key path, text)] of the plain (unquoted) base-60 integers under a YAML mapping node."""
+    import yaml
+
+    found = []
+    for key, value in node.value if isinstance(node, yaml.MappingNode) else []:
+        path = keys + (str(key.value),)
+        if isinstance(value, yaml.MappingNode):
+            found += _clock_scalars(value, path)
+        elif isinstance(value, yaml.ScalarNode) and value.style is None and _CLOCK.fullmatch(value.value):
+            found.append((path, value.value))
+    return found
 
 
 def _parse_override(item: str):
     from omegaconf import OmegaConf
 
-    key, sep, _ = item.partition("=")
+    key, sep, value = item.partition("=")
     if not sep or not key.strip():
         raise ConfigError(f"override '{item}' is not key=value (example: train.lr=1e-4)")
     try:
+        if _CLOCK.fullmatch(value.strip()):
+            override = OmegaConf.create()
+            OmegaConf.update(override, key, value.strip())
+            return override
         return OmegaConf.from_dotlist([item])
     except Exception as e:
         first = str(e).strip().splitlines()[0]

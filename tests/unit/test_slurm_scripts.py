@@ -128,6 +128,28 @@ def test_cluster_yaml_errors_are_one_line(tmp_path):
     with pytest.raises(ConfigError, match="gpus_per_node=0 .* needs ranks_per_node >= 1"):
         load_cluster(None, ["gpus_per_node=0"])
     assert load_cluster(None, ["nodes=2", "gpus_per_node=0", "ranks_per_node=3"]).world == 6
+    with pytest.raises(ConfigError, match=r"time=2:00 \(120 s\) leaves no room for signal_seconds=100: .*at least"):
+        load_cluster(None, ["time=2:00", "signal_seconds=100"])
+    with pytest.raises(ConfigError, match="time='4h' is not a Slurm time limit"):
+        load_cluster(None, ["time=4h"])
+    assert load_cluster(None, ["time=3:00", "signal_seconds=100"]).time == "3:00"
+
+
+@pytest.mark.parametrize("value, seconds", [("90", 5400), ("2:30", 150), ("04:00:00", 14400), ("1-2", 93600),
+                                            ("1-02:30", 95400), ("2-00:00:05", 172805), ("UNLIMITED", None)])
+def test_slurm_time_limits_in_seconds(value, seconds):
+    from megatron_rlhf.config.cluster import slurm_time_seconds
+
+    assert slurm_time_seconds(value) == seconds
+
+
+def test_a_clock_time_stays_as_written(tmp_path):
+    """YAML 1.1 reads a plain `4:00:00` as the base-60 integer 14400, which Slurm would take as minutes."""
+    path = tmp_path / "cluster.yaml"
+    path.write_text("time: 4:00:00\nnodes: 2\n")
+    assert load_cluster(str(path), []).time == "4:00:00"
+    assert load_cluster(str(path), ["time=2:30:00"]).time == "2:30:00"
+    assert load_cluster(None, ["time=240"]).time == "240"  # minutes, as Slurm reads it
 
 
 def test_srun_only_environment_gives_rank_and_world(monkeypatch):
