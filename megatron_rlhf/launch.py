@@ -174,6 +174,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                     killed.add(i)
                     p.kill()
         time.sleep(0.1)
+    if died is None:  # the killed rank and the rest may all have ended between two polls of the loop
+        died = next((i for i, p in enumerate(ranks) if p.returncode < 0 and i not in killed), None)
     if code == 0:
         code = next((_exit_code(p.returncode) for p in ranks if p.returncode != 0), 0)
     if died is not None:
