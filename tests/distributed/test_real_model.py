@@ -101,10 +101,12 @@ def test_two_ppo_iterations_on_the_real_model_resume_and_export(work, tmp_path):
             "ppo.normalize_reward=false", "ppo.iterations=2", "ppo.rollout_batch_size=4", "ppo.minibatch_size=4",
             "ppo.epochs=1", "ppo.max_new_tokens=8", "ppo.eval_interval=0", "checkpoint.save_interval=1",
             f"logging.run_dir={run}", "logging.progress_bar=false"]
-    torchrun(CLI, *args, "train.exit_at_step=1", nproc=2, timeout=900)
+    first = torchrun(CLI, *args, "train.exit_at_step=1", nproc=2, timeout=900)
     assert not (run / "hf_policy").exists() and (run / "checkpoints" / "latest").read_text().strip().endswith("1")
     resumed = torchrun(CLI, *args, nproc=2, timeout=900)
     assert "resumed from" in resumed.stdout + resumed.stderr
+    # 3 GB each (policy and value with their Adam moments): the interval's save is not repeated at the end
+    assert first.stdout.count("checkpoint of iteration 1:") == 1 and resumed.stdout.count("checkpoint of") == 1
     steps = {r["step"]: r for r in read_jsonl(run / "metrics.jsonl") if "ppo/kl_per_seq" in r}
     assert sorted(steps) == [1, 2]
     assert steps[1]["ppo/kl_per_seq"] == 0.0 and steps[1]["ppo/ratio_first_minibatch"] == 1.0  # policy == reference

@@ -113,11 +113,13 @@ def fit(cfg) -> Dict[str, float]:
     record_run(cfg, ctx)
 
     def save(at: int) -> None:
-        ckpt.save_checkpoint(ctx.ckpt_root, at, trained, optimizers, schedulers, {
+        path = ckpt.save_checkpoint(ctx.ckpt_root, at, trained, optimizers, schedulers, {
             "data": sampler.state_dict(), "kl": kl_ctl.state_dict(), "doctor": doctor.state_dict(),
             "steps_done": steps_done, "baseline": baseline, "last_eval": last_eval,
             **({"ptx": ptx.state_dict()} if ptx is not None else {})}, keep_last=cfg.checkpoint.keep_last,
             run=ctx.run)
+        if log:
+            log(f"checkpoint of iteration {at}: {path}")
 
     engine = make_rollout_engine(cfg, ctx.model_cfg, m.policy.chunks, tok)  # rollout.tp: own layout if needed
     def evaluate_policy() -> Dict[str, float]:
@@ -134,7 +136,8 @@ def fit(cfg) -> Dict[str, float]:
             baseline = last_eval = evaluate_policy()
             metrics.log(0, baseline)
         correction = (p.rollout_correction, p.rollout_correction_cap)
-        stop_at, resumed_at = min(p.iterations, cfg.train.exit_at_step or p.iterations), iteration
+        stop_at = min(p.iterations, cfg.train.exit_at_step or p.iterations)
+        saved_at = iteration if resume_from is not None else -1  # the iteration the latest checkpoint holds
         while iteration < stop_at:
             with metrics.timer("time/iteration") as timing:
                 with engine.same_weights():  # ReMax's greedy baseline reuses the rollout's copy of the weights
@@ -168,9 +171,11 @@ def fit(cfg) -> Dict[str, float]:
             metrics.log(iteration, stats)
             if p.sample_interval and iteration % p.sample_interval == 0:
                 metrics.log_text("samples", sample_panel(exp, tok, gold), step=iteration)
-            if save_or_stop(cfg, iteration, stop, save, metrics, log, unit="iteration") == "stopped":
+            done = save_or_stop(cfg, iteration, stop, save, metrics, log, unit="iteration")
+            if done == "stopped":
                 return last_eval
-        if resume_from is None or iteration > resumed_at:
+            saved_at = iteration if done == "saved" else saved_at
+        if saved_at != iteration:  # not twice: the interval's save may have been this iteration's
             save(iteration)
         if iteration == p.iterations:
             finish(cfg, ctx, m, baseline, last_eval, time.time() - started)
