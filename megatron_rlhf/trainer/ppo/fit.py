@@ -118,8 +118,7 @@ def fit(cfg) -> Dict[str, float]:
             "steps_done": steps_done, "baseline": baseline, "last_eval": last_eval,
             **({"ptx": ptx.state_dict()} if ptx is not None else {})}, keep_last=cfg.checkpoint.keep_last,
             run=ctx.run)
-        if log:
-            log(f"checkpoint of iteration {at}: {path}")
+        metrics.write(f"checkpoint of iteration {at}: {path}")  # rank 0, above the progress bar (set below)
 
     engine = make_rollout_engine(cfg, ctx.model_cfg, m.policy.chunks, tok)  # rollout.tp: own layout if needed
     def evaluate_policy() -> Dict[str, float]:
