@@ -86,7 +86,7 @@ def slurm_time_seconds(value: str) -> Optional[int]:
     text = str(value).strip()
     if text.upper() in ("UNLIMITED", "INFINITE", "-1"):
         return None
-    days, _, clock = text.rpartition("-") if "-" in text else ("", "", text)
+    days, _, clock = text.rpartition("-")  # no "-": days == ""
     parts = clock.split(":")
     if not (days == "" or days.isdigit()) or not all(p.isdigit() for p in parts) or len(parts) > 3:
         raise ConfigError(f"time={value!r} is not a Slurm time limit: use minutes, MM:SS, HH:MM:SS or D-HH:MM:SS")

@@ -1,5 +1,5 @@
 """Stop signals on the real cluster, whatever their source and moment: SIGUSR1 mid-run (`scancel --signal`), the
-the time limit's own SIGUSR1 (`--signal=USR1@N`), Slurm's requeue (SIGTERM, as PreemptMode=REQUEUE
+time limit's own SIGUSR1 (`--signal=USR1@N`), Slurm's requeue (SIGTERM, as PreemptMode=REQUEUE
 sends it), a stop during start-up and one after the final checkpoint. Each job ends COMPLETED with every
 per-step metric bit-identical to the uninterrupted local run; a stopped job was checkpointed, requeued and
 resumed (Restarts >= 1) and wrote one log across its restarts."""
