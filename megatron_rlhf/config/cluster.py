@@ -88,7 +88,7 @@ def slurm_time_seconds(value: str) -> Optional[int]:
         return None
     days, _, clock = text.rpartition("-")  # no "-": days == ""
     parts = clock.split(":")
-    if not (days == "" or days.isdigit()) or not all(p.isdigit() for p in parts) or len(parts) > 3:
+    if not (days.isdigit() or "-" not in text) or not all(p.isdigit() for p in parts) or len(parts) > 3:
         raise ConfigError(f"time={value!r} is not a Slurm time limit: use minutes, MM:SS, HH:MM:SS or D-HH:MM:SS")
     numbers = [int(p) for p in parts]
     if days:  # D-H, D-H:M, D-H:M:S

@@ -50,22 +50,25 @@ def _leaf_keys(node, prefix: str = "") -> list:
 
 def _read_yaml(path: str):
     import yaml
-    from omegaconf import DictConfig, OmegaConf
+    from omegaconf import OmegaConf
 
     if not os.path.isfile(path):
         raise ConfigError(f"config file '{path}' not found (cwd: {os.getcwd()}): pass an existing YAML file")
     try:
-        data = OmegaConf.load(path)
+        with open(path, encoding="utf-8") as f:
+            text = f.read()
+        node = yaml.compose(text, Loader=yaml.SafeLoader)
+        if node is not None and not isinstance(node, yaml.MappingNode):
+            kind = "a list" if isinstance(node, yaml.SequenceNode) else "a single value"
+            raise ConfigError(f"config file '{path}' must hold a mapping of groups (model:, train:, ...), not {kind}")
+        data = OmegaConf.create(text) if node is not None else OmegaConf.create({})
+    except ConfigError:
+        raise
     except Exception as e:
         first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
         raise ConfigError(f"config file '{path}' is not valid YAML: {first}") from None
-    if data is None or (not isinstance(data, DictConfig)):
-        if data is None or len(data) == 0:
-            return OmegaConf.create({})
-        raise ConfigError(f"config file '{path}' must hold a mapping of groups (model:, train:, ...), not a list")
-    with open(path, encoding="utf-8") as f:
-        for keys, text in _clock_scalars(yaml.compose(f, Loader=yaml.SafeLoader)):
-            OmegaConf.update(data, ".".join(keys), text)
+    for keys, clock in _clock_scalars(node):
+        OmegaConf.update(data, ".".join(keys), clock)
     return data
 
 
@@ -75,16 +78,21 @@ _CLOCK = re.compile(r"[-+]?[1-9][0-9_]*(:[0-5]?[0-9])+")
 
 
 def _clock_scalars(node, keys=()) -> list:
-    """[(key path, text)] of the plain (unquoted) base-60 integers under a YAML mapping node."""
+    """[(key path, text)] of the plain (unquoted) base-60 integers under a YAML node (list items by index)."""
     import yaml
 
+    if isinstance(node, yaml.MappingNode):
+        children = [(str(key.value), value) for key, value in node.value]
+    elif isinstance(node, yaml.SequenceNode):
+        children = [(str(i), value) for i, value in enumerate(node.value)]
+    else:
+        children = []
     found = []
-    for key, value in node.value if isinstance(node, yaml.MappingNode) else []:
-        path = keys + (str(key.value),)
-        if isinstance(value, yaml.MappingNode):
-            found += _clock_scalars(value, path)
+    for key, value in children:
+        if isinstance(value, (yaml.MappingNode, yaml.SequenceNode)):
+            found += _clock_scalars(value, keys + (key,))
         elif isinstance(value, yaml.ScalarNode) and value.style is None and _CLOCK.fullmatch(value.value):
-            found.append((path, value.value))
+            found.append((keys + (key,), value.value))
     return found
 
 

@@ -122,14 +122,9 @@ class Scoring:
         self.tiny, self.spec, self.tok = spec == TINY_SCORER, spec, tokenizer
         self.fn, self._cache = None, {}
         if not self.tiny:
-            import importlib
+            from megatron_rlhf.trainer.ppo.eval import load_gold_scorer
 
-            module, _, name = spec.partition(":")
-            try:
-                self.fn = getattr(importlib.import_module(module), name)
-            except Exception as e:  # noqa: BLE001 - ImportError, AttributeError, any error of its module
-                raise ConfigError(f"--gold-scorer {spec!r} cannot be imported ({type(e).__name__}: {e}): "
-                                 "give an importable 'module:function'") from None
+            self.fn = load_gold_scorer(spec, option="--gold-scorer ")
 
     def prompt(self, ids: Sequence[int]) -> str:
         """Prompt ids -> the text written in the rows: one the preference loader (which tokenizes it with the

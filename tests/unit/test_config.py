@@ -110,6 +110,10 @@ def test_missing_and_broken_yaml(tmp_path, base):
     assert "broken.yaml" in one_line_error(C.load_config, C.SFTConfig, broken, base)
     listing = write_yaml(tmp_path, "- 1\n- 2\n", "list.yaml")
     assert "mapping" in one_line_error(C.load_config, C.SFTConfig, listing, base)
+    scalar = write_yaml(tmp_path, "5\n", "scalar.yaml")
+    assert "not a single value" in one_line_error(C.load_config, C.SFTConfig, scalar, base)
+    comments = write_yaml(tmp_path, "# nothing set here\n", "comments.yaml")
+    assert C.load_config(C.SFTConfig, comments, base).train.lr == C.load_config(C.SFTConfig, None, base).train.lr
 
 
 def test_malformed_override(base):

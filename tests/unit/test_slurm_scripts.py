@@ -132,6 +132,8 @@ def test_cluster_yaml_errors_are_one_line(tmp_path):
         load_cluster(None, ["time=2:00", "signal_seconds=100"])
     with pytest.raises(ConfigError, match="time='4h' is not a Slurm time limit"):
         load_cluster(None, ["time=4h"])
+    with pytest.raises(ConfigError, match="time='-5' is not a Slurm time limit"):  # not 5 minutes
+        load_cluster(None, ["time='-5'"])
     assert load_cluster(None, ["time=3:00", "signal_seconds=100"]).time == "3:00"
 
 
@@ -150,6 +152,14 @@ def test_a_clock_time_stays_as_written(tmp_path):
     assert load_cluster(str(path), []).time == "4:00:00"
     assert load_cluster(str(path), ["time=2:30:00"]).time == "2:30:00"
     assert load_cluster(None, ["time=240"]).time == "240"  # minutes, as Slurm reads it
+
+
+def test_clock_times_in_yaml_lists_stay_as_written(tmp_path):
+    from megatron_rlhf.config.io import _read_yaml
+
+    path = tmp_path / "any.yaml"
+    path.write_text("group:\n  times: [1, 2:30, '3:00']\n  steps:\n    - at: 1:00:00\n")
+    assert _read_yaml(str(path)) == {"group": {"times": [1, "2:30", "3:00"], "steps": [{"at": "1:00:00"}]}}
 
 
 def test_srun_only_environment_gives_rank_and_world(monkeypatch):

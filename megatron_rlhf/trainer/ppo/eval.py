@@ -29,8 +29,8 @@ GoldScorer = Callable[[List[str], List[str]], Sequence[float]]
 EVAL_SEED_OFFSET = 7_777_777  # eval draws never coincide with a training iteration's
 
 
-def load_gold_scorer(spec: Optional[str]) -> Optional[GoldScorer]:
-    """'module:function' -> the function (None when not configured)."""
+def load_gold_scorer(spec: Optional[str], option: str = "ppo.gold_scorer=") -> Optional[GoldScorer]:
+    """'module:function' -> the function (None when not configured); `option` names the setting in errors."""
     if not spec:
         return None
     from megatron_rlhf.config.fields import ConfigError
@@ -39,10 +39,10 @@ def load_gold_scorer(spec: Optional[str]) -> Optional[GoldScorer]:
     try:
         fn = getattr(importlib.import_module(module), name)
     except Exception as e:  # noqa: BLE001 - ImportError, AttributeError, a SyntaxError or any error of its module
-        raise ConfigError(f"ppo.gold_scorer={spec!r} cannot be imported ({type(e).__name__}: {e}): give an "
+        raise ConfigError(f"{option}{spec!r} cannot be imported ({type(e).__name__}: {e}): give an "
                           "importable 'module:function'") from None
     if not callable(fn):
-        raise ConfigError(f"ppo.gold_scorer={spec!r} is a {type(fn).__name__}, not a function: give "
+        raise ConfigError(f"{option}{spec!r} is a {type(fn).__name__}, not a function: give "
                           "'module:function' of a function (prompts, responses) -> one score per pair")
     return fn
 
