@@ -86,15 +86,15 @@ def test_fused_logprobs_and_entropy_equal_the_separate_ones(vocab_size, temperat
                                                                   temperature=temperature)[0], (x,))
 
 
-def test_at_response_picks_the_predicting_positions():
-    from megatron_rlhf.trainer.ppo.experience import at_response
+def test_pick_rows_picks_the_predicting_positions():
+    from megatron_rlhf.models.logit_rows import pick_rows
 
     out = torch.randn(3, 7, 5, dtype=torch.float64, requires_grad=True)
     index = torch.tensor([[0, 1, 2], [3, 4, 6], [6, 6, 6]])
-    got = at_response(out, index)
+    got = pick_rows(out, index)
     want = out.gather(1, index.unsqueeze(-1).expand(-1, -1, 5))
     assert torch.equal(got, want)
-    torch.autograd.gradcheck(lambda y: at_response(y, index), (out,))
+    torch.autograd.gradcheck(lambda y: pick_rows(y, index), (out,))
 
 
 def test_row_blocks_give_the_same_values_and_gradients(monkeypatch):

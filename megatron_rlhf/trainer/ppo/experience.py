@@ -48,11 +48,6 @@ def tp_group():
     return ps.get_tensor_model_parallel_group() if ps.get_tensor_model_parallel_world_size() > 1 else None
 
 
-def at_response(output: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
-    """output [b, S, X], index [b, T] -> [b, T, X]: the outputs at each response token's predicting position."""
-    return pick_rows(output, index)
-
-
 def response_rows(mb: Batch) -> torch.Tensor:
     """[b, T]: the positions whose logits predict the response tokens; with `logits_at`, the forward projects
     only these (models/logit_rows.py). PPO-ptx micro-batches (no response) get None: every position."""
@@ -63,7 +58,7 @@ def _response_logits(logits: torch.Tensor, mb: Batch) -> torch.Tensor:
     """Logits over every position [b, S, V/tp], or already at the response rows [b, T, V/tp] (a forward with
     `rows=response_rows`) -> [b, T, V/tp]. The two cannot be confused: S > T, as every prompt has a token."""
     index = mb["response_index"]
-    return logits if logits.shape[1] == index.shape[1] else at_response(logits, index)
+    return logits if logits.shape[1] == index.shape[1] else pick_rows(logits, index)
 
 
 def response_logprobs(logits: torch.Tensor, mb: Batch, vocab_size: int, temperature: float) -> torch.Tensor:
@@ -91,8 +86,9 @@ def collect_logprobs(chunks, microbatches: List[Batch], vocab_size: int, tempera
 
 
 def response_values(output: torch.Tensor, mb: Batch) -> torch.Tensor:
-    """Scalar-head output [b, S, 1] -> V(s_t) [b, T] (fp32)."""
-    return at_response(output, mb["response_index"]).squeeze(-1).float()
+    """Scalar-head output [b, S, 1] -> V(s_t) [b, T] (fp32): the outputs at each response token's predicting
+    position."""
+    return pick_rows(output, mb["response_index"]).squeeze(-1).float()
 
 
 def last_token_scores(output: torch.Tensor, mb: Batch) -> torch.Tensor:
