@@ -10,13 +10,12 @@ policy with the same draws (`dpo.eval_prompts_path`), as PPO's summary does.
 from __future__ import annotations
 
 import glob
-import importlib
 import os
 from dataclasses import dataclass
 from typing import Optional
 
 from megatron_rlhf.config.fields import help_field as _f
-from megatron_rlhf.config.fields import require
+from megatron_rlhf.config.fields import load_gold_scorer, require
 
 
 @dataclass
@@ -50,13 +49,7 @@ def validate_dpo(cfg) -> None:
     require(d.max_new_tokens >= 1, f"dpo.max_new_tokens={d.max_new_tokens} must be >= 1")
     require(d.temperature > 0, f"dpo.temperature={d.temperature} must be > 0")
     require(d.gold_scorer is None or ":" in d.gold_scorer, f"dpo.gold_scorer={d.gold_scorer!r} must be 'module:function'")
-    if d.gold_scorer is not None:
-        module, _, name = d.gold_scorer.partition(":")
-        try:
-            getattr(importlib.import_module(module), name)
-        except (ImportError, AttributeError) as e:
-            require(False, f"dpo.gold_scorer={d.gold_scorer!r} cannot be imported ({e}): give an importable "
-                           "'module:function'")
+    load_gold_scorer(d.gold_scorer, option="dpo.gold_scorer=")
     if d.eval_prompts_path is None:
         return
     p = d.eval_prompts_path

@@ -44,7 +44,7 @@ from typing import Dict, List, Optional, Sequence, Tuple
 
 import torch
 
-from megatron_rlhf.config.fields import ConfigError
+from megatron_rlhf.config.fields import ConfigError, load_gold_scorer
 from megatron_rlhf.tasks import sort_digits
 
 Row = Dict[str, object]
@@ -122,8 +122,6 @@ class Scoring:
         self.tiny, self.spec, self.tok = spec == TINY_SCORER, spec, tokenizer
         self.fn, self._cache = None, {}
         if not self.tiny:
-            from megatron_rlhf.trainer.ppo.eval import load_gold_scorer
-
             self.fn = load_gold_scorer(spec, option="--gold-scorer ")
 
     def prompt(self, ids: Sequence[int]) -> str:

@@ -96,6 +96,7 @@ def paths(tmp_path):
     ("dpo.reference_logprobs=onlin", "dpo.reference_logprobs='onlin'"),
     ("dpo.eval_prompts_path=/nonexistent/p.jsonl", "dpo.eval_prompts_path"),
     ("dpo.gold_scorer=megatron_rlhf.tasks.sort_digits:nope", "dpo.gold_scorer"),
+    ("dpo.gold_scorer=megatron_rlhf.tasks.sort_digits:VOCAB", "dpo.gold_scorer='megatron_rlhf.tasks.sort_digits:VOCAB' is a list"),
     ("model.load=null", "model.load"),
 ])
 def test_bad_dpo_settings_fail_in_one_line_naming_the_key(paths, override, culprit):

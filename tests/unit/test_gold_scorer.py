@@ -7,8 +7,8 @@ import math
 
 import pytest
 
-from megatron_rlhf.config.fields import ConfigError
-from megatron_rlhf.trainer.ppo.eval import load_gold_scorer, score_texts
+from megatron_rlhf.config.fields import ConfigError, load_gold_scorer
+from megatron_rlhf.trainer.ppo.eval import score_texts
 from megatron_rlhf.trainer.run import write_json
 
 PROMPTS, RESPONSES = ["sort: 3 1", "sort: 2 2", "sort: 9 0"], ["1 3", "2 2", "0 9"]

@@ -23,7 +23,8 @@ from megatron_rlhf.algo import masked
 from megatron_rlhf.rollout.base import SamplingParams
 from megatron_rlhf.rollout.megatron_engine import MegatronRolloutEngine
 from megatron_rlhf.trainer.ppo.experience import collect_logprobs
-from megatron_rlhf.trainer.ppo.eval import EVAL_SEED_OFFSET, generate, gold_scores, load_gold_scorer, uniforms
+from megatron_rlhf.config.fields import load_gold_scorer
+from megatron_rlhf.trainer.ppo.eval import EVAL_SEED_OFFSET, generate, gold_scores, uniforms
 
 
 def _means(values: Dict[str, torch.Tensor], dp_group) -> Dict[str, float]:

@@ -14,37 +14,18 @@ reward hacking shows: the RM score rises while the gold score falls.
 
 from __future__ import annotations
 
-import importlib
 import math
-from typing import Callable, Dict, List, Optional, Sequence
+from typing import Dict, List, Optional
 
 import torch
 
 from megatron_rlhf.algo import masked
+from megatron_rlhf.config.fields import ConfigError, GoldScorer
 from megatron_rlhf.trainer.ppo.batch import Experience, build_experience
 from megatron_rlhf.rollout.base import SamplingParams
 from megatron_rlhf.trainer.ppo.experience import Frozen, score_and_recompute
 
-GoldScorer = Callable[[List[str], List[str]], Sequence[float]]
 EVAL_SEED_OFFSET = 7_777_777  # eval draws never coincide with a training iteration's
-
-
-def load_gold_scorer(spec: Optional[str], option: str = "ppo.gold_scorer=") -> Optional[GoldScorer]:
-    """'module:function' -> the function (None when not configured); `option` names the setting in errors."""
-    if not spec:
-        return None
-    from megatron_rlhf.config.fields import ConfigError
-
-    module, _, name = spec.partition(":")
-    try:
-        fn = getattr(importlib.import_module(module), name)
-    except Exception as e:  # noqa: BLE001 - ImportError, AttributeError, a SyntaxError or any error of its module
-        raise ConfigError(f"{option}{spec!r} cannot be imported ({type(e).__name__}: {e}): give an "
-                          "importable 'module:function'") from None
-    if not callable(fn):
-        raise ConfigError(f"{option}{spec!r} is a {type(fn).__name__}, not a function: give "
-                          "'module:function' of a function (prompts, responses) -> one score per pair")
-    return fn
 
 
 def texts(tokenizer, exp: Experience) -> tuple[List[str], List[str]]:
@@ -80,8 +61,6 @@ def score_texts(gold: GoldScorer, prompts: List[str], responses: List[str]) -> t
         torch.distributed.all_gather_object(problems, problem)
     first = next((p for p in problems if p is not None), None)
     if first is not None:
-        from megatron_rlhf.config.fields import ConfigError
-
         name = f"{getattr(gold, '__module__', '?')}:{getattr(gold, '__qualname__', gold)}"
         raise ConfigError(f"ppo.gold_scorer ({name}) {first}: it must return one finite number per "
                           "(prompt, response) pair, in order")

@@ -29,7 +29,7 @@ from megatron_rlhf.data.sampler import ShardedBatchSampler
 from megatron_rlhf.checkpoint import state as ckpt
 from megatron_rlhf.parallel.cpu import peak_memory_gib
 from megatron_rlhf.parallel import init
-from megatron_rlhf.config.fields import ConfigError
+from megatron_rlhf.config.fields import ConfigError, load_gold_scorer
 from megatron_rlhf.config.generation import GENERATION_CONFIG
 from megatron_rlhf.config.ppo import check_ppo_layout, rollouts_per_iteration
 from megatron_rlhf.rollout.hybrid import make_rollout_engine
@@ -37,8 +37,7 @@ from megatron_rlhf.rollout.offload import PhaseMemory, offloaded
 from megatron_rlhf.trainer.ppo import critic_free as cf
 from megatron_rlhf.trainer.ppo.doctor import Doctor
 from megatron_rlhf.trainer.ppo.experience import Frozen, rollout_stats, score_and_recompute
-from megatron_rlhf.trainer.ppo.eval import (evaluate, generate, load_gold_scorer, ppo_sampling, sample_panel, summary,
-                                           uniforms)
+from megatron_rlhf.trainer.ppo.eval import evaluate, generate, ppo_sampling, sample_panel, summary, uniforms
 from megatron_rlhf.trainer.ppo.learn import SkipGuard, TrainingDiverged, learn
 from megatron_rlhf.trainer.ppo.models import build_ppo_models
 from megatron_rlhf.trainer.ppo.ptx import PtxBatches
