@@ -6,7 +6,7 @@
     ... [--repeats N] [--no-trl] [--profile 25]   # --profile: the top ops of one profiled iteration
     ... [--sampler-logprobs]   # ours also with ppo.old_logprobs=sampler, TRL's way of taking PPO's old log-probs
 
-Each run ends with one JSON line.
+Each run ends with one JSON line (with the CPU it ran on: `machine.py`).
 
 Reference shape (issue "Stage 3, PPO end to end"): Llama hidden 128, 4 layers, 4 heads, 2 query groups,
 FFN 352, vocab 512, fp32; per-op overhead dominates there. Realistic shape (--shape smollm2-135m):
@@ -60,6 +60,8 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import torch  # noqa: E402
 
 import trl_reference  # noqa: E402  (benchmarks/ is on sys.path when this file runs as a script)
+
+from machine import cpu  # noqa: E402
 
 from shapes import EPOCHS, MINIBATCHES, PROMPTS, SHAPE, SMOLLM2_135M, random_prompts  # noqa: E402
 
@@ -327,6 +329,7 @@ def main():
         print(f"ours in bf16 is {ratio:.2f}x ours in fp32, measured in this process")
         line["bf16_speedup_vs_fp32"] = round(ratio, 3)
     line["torch_threads"] = torch.get_num_threads()
+    line["cpu"] = cpu()
     print(json.dumps(line))
 
 

@@ -65,6 +65,7 @@ if str(ROOT) not in sys.path:
 from megatron_rlhf.models.spec import ModelConfig  # noqa: E402
 
 sys.path.insert(0, str(ROOT / "benchmarks"))
+from machine import cpu  # noqa: E402
 from shapes import SMOLLM2_135M  # noqa: E402
 
 REFERENCE = ModelConfig(
@@ -252,6 +253,7 @@ def main(argv=None) -> int:
               f"{swap['swap_gib_per_s']:.2f} GiB/s, plain copy {swap['memcpy_gib_per_s']:.2f} GiB/s, "
               f"ratio {swap['swap_ratio_vs_memcpy']:.2f}")
         results.update({k: round(v, 4) if isinstance(v, float) else v for k, v in swap.items()})
+    results["cpu"] = cpu()
     print(json.dumps(results))
     return 0
 
