@@ -20,10 +20,10 @@ import torch
 
 from megatron_rlhf.data import dataset as D
 from megatron_rlhf.algo import masked
+from megatron_rlhf.config.fields import load_gold_scorer
 from megatron_rlhf.rollout.base import SamplingParams
 from megatron_rlhf.rollout.megatron_engine import MegatronRolloutEngine
 from megatron_rlhf.trainer.ppo.experience import collect_logprobs
-from megatron_rlhf.config.fields import load_gold_scorer
 from megatron_rlhf.trainer.ppo.eval import EVAL_SEED_OFFSET, generate, gold_scores, uniforms
 
 
