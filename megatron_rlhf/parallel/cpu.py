@@ -28,7 +28,9 @@ CUDA is available; otherwise it neutralises exactly these CUDA assumptions (each
    the gradients in place by the same rule, so gradient clipping still works.
 5. Model settings (`transformer_config_overrides`): CPU initialisation, no fused CUDA kernels, and
    unbatched pipeline send/recv (batched isend/irecv on gloo races in the interleaved schedule:
-   later microbatches read wrong activations).
+   later microbatches read wrong activations). `use_te_activation_func` makes Megatron's MLP call the
+   layer spec's whole-GLU activation module: `models/norm_glu.py`'s `SwiGLU`, which `models/spec.py`
+   puts there (with its `RMSNorm`) on CPU; Transformer Engine plays no part in it.
 6. ``dist_checkpointing`` needs ``psutil`` (checked here, because a missing one hangs the other rank)
    and, left alone, starts a ``spawn`` manager (ours keeps its queue in the rank instead:
    parallel/lifetime.py); entry points stay import-safe (``if __name__ == "__main__"``) all the same.
@@ -208,6 +210,7 @@ def transformer_config_overrides() -> dict:
         bias_dropout_fusion=False,
         apply_rope_fusion=False,
         batch_p2p_comm=False,
+        use_te_activation_func=True,
     )
 
 

@@ -8,7 +8,7 @@ autograd.Function wrappers of the parallel linears ~25% beyond their matmuls, an
 argument plumbing and bias-dropout-add the rest.
 
 `LeanDecoder` computes the same function with plain torch ops: RMSNorm (`F.rms_norm`, what the local
-spec's torch `RMSNorm` calls), Megatron's fused QKV layout (per query group: its q heads, then k,
+spec's torch `RMSNorm` calls, and bit-identically what models/norm_glu.py's computes on CPU), Megatron's fused QKV layout (per query group: its q heads, then k,
 then v), RoPE from the model's own `RotaryEmbedding` (base, percent, llama3 / linear scaling,
 interleaved or not), applied once per token with keys cached AFTER rotation, SDPA over the cache
 (GQA), the output projection, SwiGLU (fc1 = [gate; up] per TP shard), fc2, the final norm and the
@@ -40,7 +40,7 @@ _CONFIG_MUST_BE = {
     "qk_l2_norm": False, "attention_output_gate": False, "no_rope_freq": None,
     "fp32_residual_connection": False, "apply_residual_connection_post_layernorm": False,
     "layernorm_zero_centered_gamma": False, "gated_linear_unit": True, "glu_linear_offset": 0.0,
-    "activation_func_clamp_value": None, "use_te_activation_func": False, "sequence_parallel": False,
+    "activation_func_clamp_value": None, "sequence_parallel": False,
     "context_parallel_size": 1, "experimental_attention_variant": None, "is_hybrid_model": False,
     "inference_fuse_tp_communication": False, "flash_decode": False,
 }
@@ -56,6 +56,7 @@ def unsupported_reason(gpt) -> Optional[str]:
     from megatron.core.transformer.mlp import MLP
     from megatron.core.transformer.transformer_layer import TransformerLayer
 
+    from megatron_rlhf.models.norm_glu import RMSNorm, SwiGLU
     from megatron_rlhf.models.sdpa_attention import SDPAttention
 
     config = gpt.config
@@ -88,11 +89,14 @@ def unsupported_reason(gpt) -> Optional[str]:
                 return f"layer {i} has a {extra}"
         if not isinstance(layer.pre_cross_attn_layernorm, IdentityOp) or not isinstance(layer.cross_attention, IdentityOp):
             return f"layer {i} has cross attention"
+        glu_module = config.use_te_activation_func and isinstance(mlp.activation_func, SwiGLU)
+        if not glu_module and (config.use_te_activation_func or mlp.activation_func is not F.silu):
+            return f"layer {i} MLP activation {type(mlp.activation_func).__name__} (only silu GLU)"
         if attn.num_query_groups_per_partition * attn.world_size != config.num_query_groups:
             return f"num_query_groups={config.num_query_groups} < tensor parallel size {attn.world_size}"
         norms += [layer.input_layernorm, layer.pre_mlp_layernorm]
     for norm in norms:
-        if type(norm) is not torch.nn.RMSNorm or norm.weight is None:
+        if type(norm) not in (torch.nn.RMSNorm, RMSNorm) or norm.weight is None:  # the same function
             return f"normalization {type(norm).__name__} (only torch RMSNorm with a weight)"
     return None
 
