@@ -8,11 +8,11 @@ autograd.Function wrappers of the parallel linears ~25% beyond their matmuls, an
 argument plumbing and bias-dropout-add the rest.
 
 `LeanDecoder` computes the same function with plain torch ops: RMSNorm (`F.rms_norm`, what the local
-spec's torch `RMSNorm` calls, and bit-identically what models/norm_glu.py's computes on CPU), Megatron's fused QKV layout (per query group: its q heads, then k,
-then v), RoPE from the model's own `RotaryEmbedding` (base, percent, llama3 / linear scaling,
-interleaved or not), applied once per token with keys cached AFTER rotation, SDPA over the cache
-(GQA), the output projection, SwiGLU (fc1 = [gate; up] per TP shard), fc2, the final norm and the
-output layer (its own weight, or the embedding's when tied). Biases where the model has them.
+spec's torch `RMSNorm` calls, bit-identical to models/norm_glu.py's on CPU), Megatron's fused QKV layout
+(per query group: its q heads, then k, then v), RoPE from the model's own `RotaryEmbedding` (base,
+percent, llama3 / linear scaling, interleaved or not), applied once per token with keys cached AFTER
+rotation, SDPA over the cache (GQA), the output projection, SwiGLU (fc1 = [gate; up] per TP shard),
+fc2, the final norm and the output layer (its own weight, or the embedding's when tied). Biases where the model has them.
 
 Parameters are read in place (detached views, no copies) when a decoder is built, i.e. at each
 `generate` call, so optimizer steps and weight swaps are seen at once. With TP > 1 the shards stay
@@ -89,8 +89,10 @@ def unsupported_reason(gpt) -> Optional[str]:
                 return f"layer {i} has a {extra}"
         if not isinstance(layer.pre_cross_attn_layernorm, IdentityOp) or not isinstance(layer.cross_attention, IdentityOp):
             return f"layer {i} has cross attention"
-        glu_module = config.use_te_activation_func and isinstance(mlp.activation_func, SwiGLU)
-        if not glu_module and (config.use_te_activation_func or mlp.activation_func is not F.silu):
+        # Megatron's MLP calls a whole-GLU module with use_te_activation_func, else silu inside its own glu
+        silu_glu = (isinstance(mlp.activation_func, SwiGLU) if config.use_te_activation_func
+                    else mlp.activation_func is F.silu)
+        if not silu_glu:
             return f"layer {i} MLP activation {type(mlp.activation_func).__name__} (only silu GLU)"
         if attn.num_query_groups_per_partition * attn.world_size != config.num_query_groups:
             return f"num_query_groups={config.num_query_groups} < tensor parallel size {attn.world_size}"
