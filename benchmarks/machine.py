@@ -4,8 +4,10 @@ from different CPUs do not compare."""
 
 from __future__ import annotations
 
+import argparse
 import os
 import platform
+from typing import Iterable
 
 # The instruction sets that decide how fast our fp32 and bf16 GEMMs and element-wise kernels run.
 FLAGS = ("avx2", "avx512f", "avx512_bf16", "amx_bf16", "amx_tile")
@@ -30,3 +32,16 @@ def cpu() -> dict:
         "logical_cpus": os.cpu_count(),
         "flags": [f for f in FLAGS if f in flags],
     }
+
+
+def refuse_emulated_dtypes(parser: argparse.ArgumentParser, dtypes: Iterable[str]) -> None:
+    """Stop with one line (argparse's error) for a dtype whose matrix products torch runs in its reference
+    kernel on this CPU (bf16 without AVX-512: parallel/cpu.py item 11): the timings would measure that
+    kernel, ~100x slower than fp32, and not the code being benchmarked."""
+    from megatron_rlhf.parallel.cpu import gemm_is_native
+
+    for dtype in dtypes:
+        if not gemm_is_native(dtype):
+            flags = ", ".join(cpu()["flags"]) or "none of " + ", ".join(FLAGS)
+            parser.error(f"--dtype {dtype}: this CPU ({flags}) has no native {dtype} matrix products, so torch "
+                         f"would run its reference GEMM (parallel/cpu.py item 11); use --dtype float32 here")

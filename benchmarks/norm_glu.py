@@ -49,6 +49,7 @@ def main():
     parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
     parser.add_argument("--repeats", type=int, default=12)
     args = parser.parse_args()
+    machine.refuse_emulated_dtypes(parser, [args.dtype])
     from megatron_rlhf.models.build import build_model_chunk
 
     model_cfg, parallel = setup(SMOLLM2_135M, args.dtype)

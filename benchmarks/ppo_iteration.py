@@ -61,7 +61,7 @@ import torch  # noqa: E402
 
 import trl_reference  # noqa: E402  (benchmarks/ is on sys.path when this file runs as a script)
 
-from machine import cpu  # noqa: E402
+from machine import cpu, refuse_emulated_dtypes  # noqa: E402
 
 from shapes import EPOCHS, MINIBATCHES, PROMPTS, SHAPE, SMOLLM2_135M, random_prompts  # noqa: E402
 
@@ -310,6 +310,8 @@ def main():
                              "as TRL's PPOTrainer takes them from generation)")
     parser.add_argument("--profile", type=int, default=0, metavar="N", help="print the N ops with most self time")
     args = parser.parse_args()
+    dtypes = ("float32", "bfloat16") if args.dtype == "both" else (args.dtype,)
+    refuse_emulated_dtypes(parser, dtypes)
     from megatron.core.models.gpt import GPTModel
 
     from megatron_rlhf.rollout.lean_decode import LeanDecoder
@@ -321,7 +323,6 @@ def main():
         clock.wrap(LeanDecoder, name, "forward")
     clock.wrap(torch.autograd, "backward", "backward")
     clock.wrap(optim, "optimizer_step", "optimizer")
-    dtypes = ("float32", "bfloat16") if args.dtype == "both" else (args.dtype,)
     results = {dtype: run(args, dtype, clock) for dtype in dtypes}
     line = {"shape": args.shape, **results[dtypes[0]]} if len(dtypes) == 1 else {"shape": args.shape, **results}
     if len(dtypes) == 2:

@@ -65,7 +65,7 @@ if str(ROOT) not in sys.path:
 from megatron_rlhf.models.spec import ModelConfig  # noqa: E402
 
 sys.path.insert(0, str(ROOT / "benchmarks"))
-from machine import cpu  # noqa: E402
+from machine import cpu, refuse_emulated_dtypes  # noqa: E402
 from shapes import SMOLLM2_135M  # noqa: E402
 
 REFERENCE = ModelConfig(
@@ -242,6 +242,7 @@ def main(argv=None) -> int:
     parser.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"))
     parser.add_argument("--no-vllm", action="store_true", help="leave the vLLM column out")
     args = parser.parse_args(argv)
+    refuse_emulated_dtypes(parser, [args.dtype])
     torch.set_num_threads(args.threads)
 
     results = {}

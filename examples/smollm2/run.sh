@@ -11,6 +11,13 @@ NPROC=${NPROC:-2}
 export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}
 R=runs/smollm2
 mkdir -p "$R"
+# bf16 where this CPU multiplies bf16 in hardware (AVX512-BF16 or AMX) or on CUDA, else fp32: without those
+# instructions torch's bf16 matrix products are emulated or take its reference kernel, ~100x slower (README, "dtype").
+# A rerun keeps the dtype the run started with ($R/dtype.txt); DTYPE=float32|bfloat16 chooses.
+[ -n "${DTYPE:-}" ] || DTYPE=$(cat "$R/dtype.txt" 2>/dev/null ||
+  python -c 'from megatron_rlhf.parallel.cpu import preferred_dtype; print(preferred_dtype())')
+echo "$DTYPE" > "$R/dtype.txt"
+echo "dtype: $DTYPE"
 : > "$R/wall_s.txt"   # this invocation's wall time per stage (a stage that was already done takes ~0)
 timed() {  # NAME COMMAND...
   local t0=$SECONDS
@@ -21,7 +28,7 @@ timed() {  # NAME COMMAND...
 [ -f "$R/base/metadata.json" ] || timed convert python tools/convert_hf_to_megatron.py \
   --gguf "$(megatron-rlhf fetch-smollm2)" --out "$R/base" --quiet
 [ -f "$R/data/meta.json" ] || megatron-rlhf prepare-chat-sort "$R/data"
-timed sft megatron-rlhf launch --nproc-per-node "$NPROC" sft examples/smollm2/sft.yaml "$@"
+timed sft megatron-rlhf launch --nproc-per-node "$NPROC" sft examples/smollm2/sft.yaml model.params_dtype="$DTYPE" "$@"
 pairs() {  # OUT PROMPTS NUM
   [ -f "$R/data/$1.jsonl" ] || megatron-rlhf launch --nproc-per-node "$NPROC" tiny-pairs \
     --gold-scorer megatron_rlhf.tasks.chat_sort:gold_scores --policy "$R/sft/checkpoints" \
@@ -30,8 +37,8 @@ pairs() {  # OUT PROMPTS NUM
 }
 timed pairs pairs sft_pairs prompts "${NUM_PAIRS:-512}"
 timed pairs_eval pairs sft_pairs_eval prompts_eval 128
-timed rm megatron-rlhf launch --nproc-per-node "$NPROC" rm examples/smollm2/rm.yaml "$@"
-timed ppo megatron-rlhf launch --nproc-per-node "$NPROC" ppo examples/smollm2/ppo.yaml "$@"
+timed rm megatron-rlhf launch --nproc-per-node "$NPROC" rm examples/smollm2/rm.yaml model.params_dtype="$DTYPE" "$@"
+timed ppo megatron-rlhf launch --nproc-per-node "$NPROC" ppo examples/smollm2/ppo.yaml model.params_dtype="$DTYPE" "$@"
 python - <<'PY'
 import json
 from megatron_rlhf.trainer.metrics import read_jsonl
@@ -47,6 +54,7 @@ print(f"KL to the SFT policy per sequence | {0.0:10.3f} | {s['kl_ppo']:10.3f}")
 for k in ("response_length_sft", "response_length_ppo"):
     if k in s:
         print(f"{k}: {s[k]:.2f} tokens")
+print(f"dtype: {open(f'{R}/dtype.txt').read().strip()}")
 walls = [line.split() for line in open(f"{R}/wall_s.txt")]
 print("wall time (s): " + ", ".join(f"{n} {t}" for n, t in walls) + f" | total {sum(int(t) for _, t in walls)}")
 print(f"run directory: {R} (summary: {R}/ppo/summary.json, TensorBoard: {R}/*/tensorboard)")

@@ -63,6 +63,12 @@ CUDA is available; otherwise it neutralises exactly these CUDA assumptions (each
    Freed memory stays in the process for the next tensor instead, as a GPU caching allocator keeps it
    (M_MMAP_MAX 0, M_TRIM_THRESHOLD 1 GiB); the resident set stays near its peak.
    `MEGATRON_RLHF_HOST_MALLOC=default` leaves glibc's policy alone.
+11. Half-precision matrix products (`gemm_is_native`, `preferred_dtype`): torch runs bf16 (fp16) GEMMs on CPU
+   through oneDNN only where the CPU has the AVX-512 (AVX512-FP16/AMX) instructions oneDNN needs; elsewhere
+   it falls back to its reference GEMM. On an AVX2-only AMD EPYC (family 25, 2 threads, 2026-12-04) a
+   [640, 576] x [576, 1536] product took 943 ms in bf16 against 9.0 ms in fp32 (1.2 against 126 GFLOP/s),
+   so a bf16 run there is ~100x slower, not faster. `start_run` says so in one line, and the real-model
+   recipe picks bf16 only where the CPU multiplies bf16 in hardware (AVX512-BF16 or AMX).
 
 The layer is checked against the installed megatron-core version and refuses any other one,
 because each patch targets a specific release's internals.
@@ -89,6 +95,41 @@ _enabled = False
 
 def cuda_available() -> bool:
     return torch.cuda.is_available()
+
+
+# torch's own test of whether its CPU matrix products in a half dtype go through oneDNN (item 11)
+_ONEDNN_HALF_CHECK = {"bfloat16": "_is_mkldnn_bf16_supported", "float16": "_is_mkldnn_fp16_supported"}
+
+
+def gemm_is_native(dtype: str) -> bool:
+    """Whether torch's matrix products in `dtype` ("float32" | "bfloat16" | "float16") run on optimised
+    kernels here; False for a half dtype on a CPU where torch falls back to its reference GEMM (item 11)."""
+    if dtype not in _ONEDNN_HALF_CHECK or cuda_available():
+        return True
+    try:
+        return bool(getattr(torch.ops.mkldnn, _ONEDNN_HALF_CHECK[dtype])())
+    except (AttributeError, RuntimeError):  # a torch without the check: assume the reference GEMM
+        return False
+
+
+def slow_dtype_warning(dtype: str) -> str:
+    """One line for a run in `dtype` whose GEMMs take torch's reference kernel on this CPU, else ""."""
+    if gemm_is_native(dtype):
+        return ""
+    capability = torch.backends.cpu.get_cpu_capability()
+    return (f"warning: model.params_dtype={dtype}: this CPU ({capability}) lacks the instructions torch's "
+            f"{dtype} matrix products need, so they run its reference kernel, about 100x slower than float32 "
+            f"(parallel/cpu.py item 11); set model.params_dtype=float32 on this machine")
+
+
+def preferred_dtype() -> str:
+    """The faster training dtype here: bfloat16 on CUDA and on CPUs that multiply bf16 in hardware
+    (AVX512-BF16 or AMX), float32 elsewhere, where bf16 is emulated at best (item 11)."""
+    if cuda_available():
+        return "bfloat16"
+    cpu_has = [getattr(torch.cpu, name, lambda: False)() for name in ("_is_avx512_bf16_supported",
+                                                                     "_is_amx_tile_supported")]
+    return "bfloat16" if any(cpu_has) and gemm_is_native("bfloat16") else "float32"
 
 
 def transformer_engine_available() -> bool:

@@ -27,7 +27,7 @@ from megatron_rlhf.data import tokenizer as T
 from megatron_rlhf.checkpoint import run_dir
 from megatron_rlhf.checkpoint import state as ckpt
 from megatron_rlhf.models.build import build_model
-from megatron_rlhf.parallel import init, lifetime
+from megatron_rlhf.parallel import cpu, init, lifetime
 from megatron_rlhf.parallel.layout import validate_layout
 from megatron_rlhf.trainer.optim import build_optimizer, wrap_ddp
 from megatron_rlhf.trainer.preflight import check_run_dirs
@@ -79,6 +79,9 @@ def start_run(cfg, check_batch: Callable[[int], Any]) -> RunContext:
     T.check_vocab(tokenizer, model_cfg.vocab_size)
     if rank0 and G.note(cfg):
         print(G.note(cfg), flush=True)  # which sampling settings came from the checkpoint's generation_config.json
+    slow_dtype = cpu.slow_dtype_warning(model_cfg.params_dtype)  # bf16 without the CPU's bf16 instructions
+    if rank0 and slow_dtype:
+        print(slow_dtype, flush=True)
     ckpt_root = cfg.checkpoint.dir or f"{cfg.logging.run_dir}/checkpoints"
     # Where a rerun resumes from (as resume_point reads it), for the launcher's line when a rank is killed.
     lifetime.note_checkpoint_root(cfg.checkpoint.load or ckpt_root)

@@ -157,3 +157,52 @@ def test_the_host_allocator_policy_can_be_left_alone():
     out = _run(_MMAPPED_AFTER_A_LARGE_TENSOR, **{cpu.HOST_MALLOC_ENV: "default"}).split()
     assert int(out[out.index("mapped") + 1]) >= 2**28, out
 
+
+
+def _best_seconds(a: torch.Tensor, repeats: int = 5) -> float:
+    import time
+
+    a @ a  # oneDNN builds its kernel on the first call
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        a @ a
+        times.append(time.perf_counter() - t0)
+    return min(times)
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+def test_gemm_is_native_agrees_with_the_kernel_torch_runs(dtype):
+    """Item 11: where the check says "reference kernel", a half-precision product is many times slower than
+    fp32's (measured ~100x on an AVX2-only CPU); where it says "native", it is not. The two cases are two
+    orders of magnitude apart, so the 8x line between them leaves room for a busy machine."""
+    a = torch.randn(384, 384)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # two threads on a busy 2-core machine time the waits, not the kernel
+    try:
+        ratio = _best_seconds(a.to(getattr(torch, dtype))) / _best_seconds(a)
+    finally:
+        torch.set_num_threads(threads)
+    assert (ratio < 8.0) == cpu.gemm_is_native(dtype), f"{dtype} GEMM takes {ratio:.1f}x fp32's time"
+
+
+def test_slow_half_precision_is_one_line_naming_the_fix(monkeypatch):
+    assert cpu.gemm_is_native("float32") and cpu.slow_dtype_warning("float32") == ""
+    monkeypatch.setattr(cpu, "gemm_is_native", lambda dtype: dtype == "float32")
+    line = cpu.slow_dtype_warning("bfloat16")
+    assert line.startswith("warning: model.params_dtype=bfloat16: ") and "\n" not in line
+    assert line.endswith("set model.params_dtype=float32 on this machine")
+    monkeypatch.setattr(cpu, "gemm_is_native", lambda dtype: True)
+    assert cpu.slow_dtype_warning("bfloat16") == ""
+
+
+@pytest.mark.parametrize("avx512_bf16,amx,native,expected", [
+    (True, False, True, "bfloat16"), (False, True, True, "bfloat16"),
+    (False, False, True, "float32"),  # AVX-512 without bf16 instructions: oneDNN emulates bf16 in fp32
+    (False, False, False, "float32"), (True, False, False, "float32"),
+])
+def test_preferred_dtype_is_bf16_only_where_the_cpu_multiplies_it(monkeypatch, avx512_bf16, amx, native, expected):
+    monkeypatch.setattr(torch.cpu, "_is_avx512_bf16_supported", lambda: avx512_bf16, raising=False)
+    monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda: amx, raising=False)
+    monkeypatch.setattr(cpu, "gemm_is_native", lambda dtype: native or dtype == "float32")
+    assert cpu.preferred_dtype() == expected
