@@ -38,3 +38,27 @@ def smollm2(tmp_path_factory, smollm2_gguf):
     megatron_to_hf(d / "smollm2.mg", d / "smollm2")
     return {"gguf": smollm2_gguf, "dir": d, "megatron": d / "smollm2.mg", "hf": d / "smollm2",
             "convert_stderr": err.getvalue()}
+
+
+@pytest.hookimpl(trylast=True)
+def pytest_unconfigure(config):
+    """The threads still running when the session ends, one line, with where each one is: a daemon thread inside
+    a torch call while the interpreter shuts down ends in std::terminate ("terminate called without an active
+    exception", exit 134 after every test passed), and this line names it. faulthandler then reports the
+    abort itself (pytest's own is off by now)."""
+    import faulthandler
+    import sysconfig
+    import threading
+    import traceback
+
+    paths, frames, alive = sysconfig.get_paths(), sys._current_frames(), []
+    in_stdlib = lambda f: f.startswith(paths["stdlib"]) and not f.startswith(paths["purelib"])  # noqa: E731
+    for t in threading.enumerate():
+        if t is not threading.main_thread():
+            stack = traceback.extract_stack(frames[t.ident]) if t.ident in frames else []
+            where = next((f for f in reversed(stack) if not in_stdlib(f.filename)), None)  # whose thread
+            alive.append(f"{t.name} ({'daemon' if t.daemon else 'joined at exit'}"
+                         + (f", in {where.filename}:{where.lineno}" if where else "") + ")")
+    if alive:
+        print("threads alive at the end of the session: " + "; ".join(alive), file=sys.__stderr__, flush=True)
+    faulthandler.enable(file=sys.__stderr__, all_threads=True)

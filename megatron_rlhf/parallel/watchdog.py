@@ -39,6 +39,7 @@ _PACKAGE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # Collectives only: a long write inside torch.distributed.checkpoint is work, not a wait.
 _C10D = os.path.join("torch", "distributed", "distributed_c10d.py")
 _current: Optional["Watchdog"] = None
+_stop_at_exit = False  # stop() is registered with atexit once, by the first start()
 
 
 def _library_dirs() -> tuple:
@@ -255,9 +256,18 @@ class Watchdog:
 
 
 def start(limit_s: float) -> Watchdog:
-    """Start this rank's watchdog (replacing an earlier one of this process)."""
-    global _current
+    """Start this rank's watchdog (replacing an earlier one of this process). It is stopped at the latest when
+    the interpreter exits: a daemon thread still inside the job's TCP store (a pybind11 call that released the
+    GIL) while Python finalises is ended by `pthread_exit` within a C++ destructor, and `std::terminate`
+    aborts the process ("terminate called without an active exception", exit 134), e.g. a caller that used
+    `parallel.init.initialize` without `destroy`. atexit handlers run before finalisation starts."""
+    global _current, _stop_at_exit
     stop()
+    if not _stop_at_exit:
+        import atexit
+
+        atexit.register(stop)
+        _stop_at_exit = True
     _current = Watchdog(limit_s).start()
     return _current
 

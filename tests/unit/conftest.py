@@ -19,6 +19,9 @@ def world():
     yield
     from megatron.core import parallel_state
 
+    from megatron_rlhf.parallel import watchdog
+
+    watchdog.stop()  # started by initialize: its thread and the store it holds end with the module
     parallel_state.destroy_model_parallel()
     if started:
         torch.distributed.destroy_process_group()
