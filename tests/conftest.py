@@ -40,12 +40,27 @@ def smollm2(tmp_path_factory, smollm2_gguf):
             "convert_stderr": err.getvalue()}
 
 
+def _native_thread_names(which: str = "task") -> list:
+    """The names (`comm`) of this process's threads, or of the process itself; [] where /proc has none."""
+    paths = ["/proc/self/comm"] if which == "self" else [
+        f"/proc/self/task/{t}/comm" for t in (os.listdir("/proc/self/task") if os.path.isdir("/proc/self/task") else [])]
+    names = []
+    for path in paths:
+        try:
+            with open(path) as fh:
+                names.append(fh.read().strip())
+        except OSError:  # the thread ended meanwhile
+            pass
+    return names
+
+
 @pytest.hookimpl(trylast=True)
 def pytest_unconfigure(config):
     """The threads still running when the session ends, one line, with where each one is: a daemon thread inside
     a torch call while the interpreter shuts down ends in std::terminate ("terminate called without an active
     exception", exit 134 after every test passed), and this line names it. faulthandler then reports the
     abort itself (pytest's own is off by now)."""
+    import collections
     import faulthandler
     import sysconfig
     import threading
@@ -59,6 +74,9 @@ def pytest_unconfigure(config):
             where = next((f for f in reversed(stack) if not in_stdlib(f.filename)), None)  # whose thread
             alive.append(f"{t.name} ({'daemon' if t.daemon else 'joined at exit'}"
                          + (f", in {where.filename}:{where.lineno}" if where else "") + ")")
+    native = collections.Counter(_native_thread_names())  # C++ threads (gloo, the TCP store) carry their own
+    main = native and _native_thread_names("self")[0]  # names; Python's threads share the main thread's
+    alive += [f"{name} x{k} (native)" for name, k in sorted(native.items()) if name != main]
     if alive:
         print("threads alive at the end of the session: " + "; ".join(alive), file=sys.__stderr__, flush=True)
     faulthandler.enable(file=sys.__stderr__, all_threads=True)

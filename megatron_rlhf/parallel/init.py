@@ -10,6 +10,7 @@ from __future__ import annotations
 import datetime
 import os
 import socket
+import sys
 from dataclasses import dataclass
 from typing import Mapping, Optional
 
@@ -101,8 +102,7 @@ def initialize(parallel: ParallelConfig, seed: int = 1234) -> DistEnv:
 
     env = init_process_group(timeout_s=parallel.timeout_s + 60)  # the watchdog's line comes before gloo's timeout
     watchdog.start(parallel.timeout_s)
-    if parallel_state.model_parallel_is_initialized():
-        parallel_state.destroy_model_parallel()
+    destroy_model_parallel()
     parallel_state.initialize_model_parallel(
         tensor_model_parallel_size=parallel.tp,
         pipeline_model_parallel_size=parallel.pp,
@@ -114,11 +114,33 @@ def initialize(parallel: ParallelConfig, seed: int = 1234) -> DistEnv:
     return env
 
 
-def destroy() -> None:
+# What still references process groups after megatron-core 0.16.1's destroy_model_parallel: two globals it leaves
+# set (aliases of the data-parallel-with-CP groups), and the lru_cache on the rotary embeddings' `forward`, whose
+# keys are the modules themselves (each holding its cp_group).
+_MEGATRON_LEFTOVERS = ("_INTRA_PARTIAL_DATA_PARALLEL_GROUP_WITH_CP", "_INTRA_PARTIAL_DATA_PARALLEL_GROUP_WITH_CP_GLOO")
+_MEGATRON_CACHED_FORWARDS = (("megatron.core.models.common.embeddings.rotary_pos_embedding", "RotaryEmbedding"),
+                             ("megatron.core.models.common.embeddings.yarn_rotary_pos_embedding", "YarnRotaryEmbedding"))
+
+
+def destroy_model_parallel() -> None:
+    """Megatron's `destroy_model_parallel`, and what it leaves referencing the groups: kept, they keep their gloo
+    threads and the job's TCP store (and its server thread) alive into interpreter shutdown, where a live
+    process group can end the process in std::terminate (exit 134) after its work is done."""
     from megatron.core import parallel_state
 
-    watchdog.stop()
     if parallel_state.model_parallel_is_initialized():
         parallel_state.destroy_model_parallel()
+    for name in _MEGATRON_LEFTOVERS:
+        if hasattr(parallel_state, name):
+            setattr(parallel_state, name, None)
+    for module, cls in _MEGATRON_CACHED_FORWARDS:
+        forward = getattr(getattr(sys.modules.get(module), cls, None), "forward", None)
+        if hasattr(forward, "cache_clear"):
+            forward.cache_clear()
+
+
+def destroy() -> None:
+    watchdog.stop()
+    destroy_model_parallel()
     if torch.distributed.is_initialized():
         torch.distributed.destroy_process_group()

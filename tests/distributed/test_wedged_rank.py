@@ -87,28 +87,3 @@ def test_a_second_ctrl_c_exits_a_wedged_job_at_once(tmp_path):
     assert codes == [130, 130] and took < 60, (codes, took, outs)
     assert outs[0].strip() == "error: a second Ctrl-C: exiting without a checkpoint (a rerun resumes from the last one)"
     assert outs[1].strip() == "", outs
-
-
-_EXIT_WITHOUT_DESTROY = """
-import atexit, threading
-from megatron_rlhf.parallel import init, watchdog
-from megatron_rlhf.parallel.layout import ParallelConfig
-
-# Registered first, so it runs last (atexit is LIFO), after whatever the package registered.
-atexit.register(lambda: print("watchdog alive at exit:", watchdog._current is not None
-                              or any(t.name == "megatron-rlhf-watchdog" for t in threading.enumerate()), flush=True))
-init.initialize(ParallelConfig(), seed=1)
-assert any(t.name == "megatron-rlhf-watchdog" for t in threading.enumerate())
-"""
-
-
-def test_the_watchdog_thread_is_joined_before_the_interpreter_finalises():
-    """A caller of `parallel.init.initialize` that never calls `destroy()`: the watchdog's daemon thread, which
-    calls into the TCP store every second, is stopped before finalisation (a daemon thread inside a pybind11 call
-    then is ended by pthread_exit in a C++ destructor: SIGABRT, exit 134), and the process exits with 0."""
-    env = child_env({"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()), "RANK": "0", "WORLD_SIZE": "1",
-                     "LOCAL_RANK": "0"})
-    out = subprocess.run([sys.executable, "-c", _EXIT_WITHOUT_DESTROY], cwd=ROOT, env=env, capture_output=True,
-                         text=True, timeout=300)
-    assert out.returncode == 0, out.stderr[-2000:]
-    assert "watchdog alive at exit: False" in out.stdout, out.stdout

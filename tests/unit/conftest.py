@@ -1,3 +1,4 @@
+import gc
 import os
 
 import pytest
@@ -17,13 +18,14 @@ def world():
     os.environ.update(env)
     init.initialize(ParallelConfig(), seed=1234)
     yield
-    from megatron.core import parallel_state
-
     from megatron_rlhf.parallel import watchdog
 
     watchdog.stop()  # started by initialize: its thread and the store it holds end with the module
-    parallel_state.destroy_model_parallel()
+    init.destroy_model_parallel()
     if started:
         torch.distributed.destroy_process_group()
+    # The module's models hold their groups in reference cycles (hooks): collected now, their gloo threads end
+    # while the interpreter is whole, not during its shutdown.
+    gc.collect()
     for k, v in old.items():
         os.environ.pop(k, None) if v is None else os.environ.__setitem__(k, v)
