@@ -40,15 +40,13 @@ def smollm2(tmp_path_factory, smollm2_gguf):
             "convert_stderr": err.getvalue()}
 
 
-def _native_thread_names(which: str = "task") -> list:
-    """The names (`comm`) of this process's threads, or of the process itself; [] where /proc has none."""
-    paths = ["/proc/self/comm"] if which == "self" else [
-        f"/proc/self/task/{t}/comm" for t in (os.listdir("/proc/self/task") if os.path.isdir("/proc/self/task") else [])]
-    names = []
-    for path in paths:
+def native_thread_names() -> dict:
+    """{thread id: name (`comm`)} of this process's threads, C++ ones included; {} where there is no /proc."""
+    names = {}
+    for tid in os.listdir("/proc/self/task") if os.path.isdir("/proc/self/task") else []:
         try:
-            with open(path) as fh:
-                names.append(fh.read().strip())
+            with open(f"/proc/self/task/{tid}/comm") as fh:
+                names[int(tid)] = fh.read().strip()
         except OSError:  # the thread ended meanwhile
             pass
     return names
@@ -74,9 +72,9 @@ def pytest_unconfigure(config):
             where = next((f for f in reversed(stack) if not in_stdlib(f.filename)), None)  # whose thread
             alive.append(f"{t.name} ({'daemon' if t.daemon else 'joined at exit'}"
                          + (f", in {where.filename}:{where.lineno}" if where else "") + ")")
-    native = collections.Counter(_native_thread_names())  # C++ threads (gloo, the TCP store) carry their own
-    main = native and _native_thread_names("self")[0]  # names; Python's threads share the main thread's
-    alive += [f"{name} x{k} (native)" for name, k in sorted(native.items()) if name != main]
+    names = native_thread_names()  # C++ threads (gloo, the TCP store) carry their own names; Python's, main's
+    native = collections.Counter(n for n in names.values() if n != names.get(os.getpid()))
+    alive += [f"{name} x{k} (native)" for name, k in sorted(native.items())]
     if alive:
         print("threads alive at the end of the session: " + "; ".join(alive), file=sys.__stderr__, flush=True)
     faulthandler.enable(file=sys.__stderr__, all_threads=True)

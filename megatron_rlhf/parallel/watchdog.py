@@ -22,6 +22,7 @@ under `megatron-rlhf launch`, from the terminal and forwarded) exits at once, wi
 
 from __future__ import annotations
 
+import atexit
 import json
 import os
 import signal
@@ -39,7 +40,6 @@ _PACKAGE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # Collectives only: a long write inside torch.distributed.checkpoint is work, not a wait.
 _C10D = os.path.join("torch", "distributed", "distributed_c10d.py")
 _current: Optional["Watchdog"] = None
-_stop_at_exit = False  # stop() is registered with atexit once, by the first start()
 
 
 def _library_dirs() -> tuple:
@@ -261,13 +261,8 @@ def start(limit_s: float) -> Watchdog:
     GIL) while Python finalises is ended by `pthread_exit` within a C++ destructor, and `std::terminate`
     aborts the process ("terminate called without an active exception", exit 134), e.g. a caller that used
     `parallel.init.initialize` without `destroy`. atexit handlers run before finalisation starts."""
-    global _current, _stop_at_exit
+    global _current
     stop()
-    if not _stop_at_exit:
-        import atexit
-
-        atexit.register(stop)
-        _stop_at_exit = True
     _current = Watchdog(limit_s).start()
     return _current
 
@@ -278,3 +273,6 @@ def stop() -> None:
     if _current is not None:
         _current.close()
         _current = None
+
+
+atexit.register(stop)  # see start(); a no-op in a process that never started one

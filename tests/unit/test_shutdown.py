@@ -12,15 +12,15 @@ import sys
 from tests.distributed.launch import ROOT, child_env, free_port
 
 _NATIVE_THREADS = """
-import gc, os, time
+import gc, time
 import torch
 from megatron_rlhf.models.build import build_model
 from megatron_rlhf.models.spec import ModelConfig
 from megatron_rlhf.parallel import init
 from megatron_rlhf.parallel.layout import ParallelConfig
+from tests.conftest import native_thread_names
 
-def native():  # every thread of the process by its name, C++ ones included
-    return sorted(open(f"/proc/self/task/{t}/comm").read().strip() for t in os.listdir("/proc/self/task"))
+native = lambda: sorted(native_thread_names().values())
 
 init.initialize(ParallelConfig(), seed=1)
 cfg = ModelConfig(num_layers=1, hidden_size=32, ffn_hidden_size=64, num_attention_heads=4, num_query_groups=2,
@@ -39,13 +39,15 @@ print("after", native())
 """
 
 _EXIT_WITHOUT_DESTROY = """
-import atexit, threading
-from megatron_rlhf.parallel import init, watchdog
+import atexit, sys, threading
+
+# Registered before the package is imported, so it runs last (atexit is LIFO), after whatever the package registered.
+atexit.register(lambda: print("watchdog alive at exit:", sys.modules["megatron_rlhf.parallel.watchdog"]._current
+                              is not None or any(t.name == "megatron-rlhf-watchdog" for t in threading.enumerate()),
+                              flush=True))
+from megatron_rlhf.parallel import init
 from megatron_rlhf.parallel.layout import ParallelConfig
 
-# Registered first, so it runs last (atexit is LIFO), after whatever the package registered.
-atexit.register(lambda: print("watchdog alive at exit:", watchdog._current is not None
-                              or any(t.name == "megatron-rlhf-watchdog" for t in threading.enumerate()), flush=True))
 init.initialize(ParallelConfig(), seed=1)
 assert any(t.name == "megatron-rlhf-watchdog" for t in threading.enumerate())
 """
