@@ -34,6 +34,13 @@ def cpu() -> dict:
     }
 
 
+def gpu():
+    """The name of the GPU a benchmark ran on (the current CUDA device), or None without CUDA."""
+    import torch
+
+    return torch.cuda.get_device_name() if torch.cuda.is_available() else None
+
+
 def refuse_emulated_dtypes(parser: argparse.ArgumentParser, dtypes: Iterable[str]) -> None:
     """Stop with one line (argparse's error) for a dtype whose matrix products torch runs in its reference
     kernel on this CPU (bf16 without AVX-512: parallel/cpu.py item 11): the timings would measure that

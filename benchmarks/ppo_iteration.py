@@ -6,7 +6,11 @@
     ... [--repeats N] [--no-trl] [--profile 25]   # --profile: the top ops of one profiled iteration
     ... [--sampler-logprobs]   # ours also with ppo.old_logprobs=sampler, TRL's way of taking PPO's old log-probs
 
-Each run ends with one JSON line (with the CPU it ran on: `machine.py`).
+Each run ends with one JSON line (with the CPU, and GPU if any, it ran on: `machine.py`).
+
+On a machine with CUDA both sides run on its first GPU, as the package does there (Megatron builds on the
+current device, NCCL; TRL with `use_cpu=False`): the phase marks and the model clock synchronise the device
+first, and the kernel floor is the GPU time of the same GEMM and attention ops (torch.profiler, CUDA activity).
 
 Reference shape (issue "Stage 3, PPO end to end"): Llama hidden 128, 4 layers, 4 heads, 2 query groups,
 FFN 352, vocab 512, fp32; per-op overhead dominates there. Realistic shape (--shape smollm2-135m):
@@ -61,11 +65,17 @@ import torch  # noqa: E402
 
 import trl_reference  # noqa: E402  (benchmarks/ is on sys.path when this file runs as a script)
 
-from machine import cpu, refuse_emulated_dtypes  # noqa: E402
+from machine import cpu, gpu, refuse_emulated_dtypes  # noqa: E402
 
 from shapes import EPOCHS, MINIBATCHES, PROMPTS, SHAPE, SMOLLM2_135M, random_prompts  # noqa: E402
 
 SHAPES = {"reference": SHAPE, "smollm2-135m": SMOLLM2_135M}
+
+
+def sync():
+    """Wait for the GPU's queued work (a no-op on CPU), so that a wall-clock mark counts it."""
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
 
 
 @dataclass
@@ -89,10 +99,12 @@ class Clock:
             if clock.depth or not clock.enabled:
                 return inner(*args, **kwargs)
             clock.depth += 1
+            sync()
             start = time.perf_counter()
             try:
                 return inner(*args, **kwargs)
             finally:
+                sync()
                 clock.seconds[bucket] += time.perf_counter() - start
                 clock.depth -= 1
 
@@ -148,20 +160,25 @@ def iteration(cfg, engine, policy, value, models, prompts, it: int, timer: dict)
     from megatron_rlhf.trainer.ppo.learn import SkipGuard, learn
 
     p = cfg.ppo
+    sync()
     marks = [time.perf_counter()]
     draws = uniforms(0, it, slice(0, PROMPTS), PROMPTS, p.max_new_tokens)
     ids, mask = prompts
     out = engine.generate(ids, mask, SamplingParams(p.max_new_tokens, 1.0), uniforms=draws)
     rows = [ids[i][mask[i]].tolist() for i in range(PROMPTS)]
     exp = build_experience(rows, out, 0)
+    sync()
     marks.append(time.perf_counter())
     score_and_recompute(exp, models, Frozen(cfg.vocab_size, 1.0), cfg.train.micro_batch_size,
                         old_logprobs=p.old_logprobs)
+    sync()
     marks.append(time.perf_counter())
     estimate_advantages(exp, 0.05, "k1", 1.0, 0.95, True)
+    sync()
     marks.append(time.perf_counter())
     learn(policy, value, exp, cfg, iteration=it, dp_rank=0, dp_size=1, vocab_size=cfg.vocab_size,
           train_policy=True, guard=SkipGuard(3), steps_done={"policy": 0, "value": 0})
+    sync()
     marks.append(time.perf_counter())
     for name, a, b in zip(("rollout", "score", "advantages", "train"), marks, marks[1:]):
         timer[name] = timer.get(name, 0.0) + b - a
@@ -170,18 +187,25 @@ def iteration(cfg, engine, policy, value, models, prompts, it: int, timer: dict)
 
 KERNELS = ("aten::mm", "aten::addmm", "aten::addmm_", "aten::bmm", "aten::_scaled_dot_product_flash_attention_for_cpu",
            "aten::_scaled_dot_product_flash_attention_for_cpu_backward")
+# The same work on CUDA: torch's SDPA picks one of these backends (forward and backward).
+CUDA_ATTENTION = tuple(f"aten::_scaled_dot_product_{kind}_attention{suffix}" for kind in ("flash", "efficient", "cudnn")
+                       for suffix in ("", "_backward"))
 
 
 def kernel_seconds(run, top: int = 0) -> float:
-    """Seconds of `run()` spent inside GEMM and attention kernels (torch.profiler self CPU time); `top` > 0
-    also prints that many ops with the most self time."""
+    """Seconds of `run()` spent inside GEMM and attention kernels (torch.profiler self time: CPU time, or on
+    CUDA the GPU time of the kernels those ops launch); `top` > 0 also prints that many ops with the most."""
     from torch.profiler import ProfilerActivity, profile
 
-    with profile(activities=[ProfilerActivity.CPU]) as prof:
+    on_gpu = torch.cuda.is_available()
+    with profile(activities=[ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if on_gpu else [])) as prof:
         run()
+        sync()
+    key = "self_device_time_total" if on_gpu else "self_cpu_time_total"
     if top:
-        print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=top), flush=True)
-    return sum(e.self_cpu_time_total for e in prof.key_averages() if e.key in KERNELS) / 1e6
+        print(prof.key_averages().table(sort_by=key, row_limit=top), flush=True)
+    names = KERNELS + CUDA_ATTENTION if on_gpu else KERNELS
+    return sum(getattr(e, key) for e in prof.key_averages() if e.key in names) / 1e6
 
 
 def prepare(model_cfg, parallel, max_new_tokens: int) -> SimpleNamespace:
@@ -331,6 +355,7 @@ def main():
         line["bf16_speedup_vs_fp32"] = round(ratio, 3)
     line["torch_threads"] = torch.get_num_threads()
     line["cpu"] = cpu()
+    line["gpu"] = gpu()
     print(json.dumps(line))
 
 

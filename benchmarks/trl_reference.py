@@ -8,7 +8,8 @@ later TRL releases dropped PPO), same model shape, prompts, lengths, batch split
 TRL's iteration differs from ours in ways that favour it: its old logprobs come from `generate`'s scores
 (no recomputation forward), and it trains policy and value with one combined backward and one optimizer
 step per minibatch. Its models: `LlamaForCausalLM` (policy, reference) and `LlamaForSequenceClassification`
-(reward, value) with the shape below; responses never end early (no EOS id).
+(reward, value) with the shape below; responses never end early (no EOS id). With CUDA it runs on the GPU,
+as ours does there.
 """
 
 from __future__ import annotations
@@ -70,6 +71,8 @@ def seconds_per_iteration(shape: dict, prompts: int, minibatches: int, epochs: i
 
     class Stamp(TrainerCallback):
         def on_step_end(self, args, state, control, **kwargs):
+            if torch.cuda.is_available():  # the update's queued GPU work counts
+                torch.cuda.synchronize()
             ends.append(time.perf_counter())
             if between is not None:
                 threads = torch.get_num_threads()
@@ -85,8 +88,8 @@ def seconds_per_iteration(shape: dict, prompts: int, minibatches: int, epochs: i
                          response_length=new_tokens, local_rollout_forward_batch_size=prompts,
                          total_episodes=prompts * (repeats + 1), stop_token=None, missing_eos_penalty=None,
                          temperature=1.0, learning_rate=1e-5, num_sample_generations=0, report_to=[],
-                         save_strategy="no", logging_steps=1000, use_cpu=True, bf16=bf16, fp16=False,
-                         dataloader_drop_last=True, seed=0)
+                         save_strategy="no", logging_steps=1000, use_cpu=not torch.cuda.is_available(), bf16=bf16,
+                         fp16=False, dataloader_drop_last=True, seed=0)
         trainer = PPOTrainer(args=args, processing_class=_tokenizer(shape["vocab_size"]), model=policy,
                              ref_model=reference, reward_model=reward, train_dataset=dataset, value_model=value,
                              callbacks=[Stamp()])

@@ -67,6 +67,8 @@ def build_model_chunk(
     elif post_process:
         logit_rows.install(gpt)  # logits batch-major, and at chosen rows only (models/logit_rows.py)
     _cast_params(gpt, config.params_dtype)
+    if torch.cuda.is_available():  # Megatron leaves the move to the caller, as its own training's get_model does
+        gpt.cuda(torch.cuda.current_device())
     return gpt
 
 

@@ -70,7 +70,8 @@ def check_rendezvous_host(addr: str, port: int) -> None:
 
 
 def init_process_group(timeout_s: int = 600) -> DistEnv:
-    """Start torch.distributed (once); nccl with CUDA, gloo otherwise."""
+    """Start torch.distributed (once): with CUDA, NCCL for tensors on the GPU and gloo for those on the
+    host (step statistics, token counts, rollout rows), so that a collective works on either; gloo on CPU."""
     cpu.enable()
     lifetime.follow_launcher()  # a dying launcher means: checkpoint and exit
     lifetime.keep_checkpoint_results_in_process()  # no checkpoint manager process at all
@@ -79,7 +80,7 @@ def init_process_group(timeout_s: int = 600) -> DistEnv:
     if torch.distributed.is_initialized():
         return env
     check_rendezvous_host(env.master_addr, env.master_port)
-    backend = "nccl" if torch.cuda.is_available() else "gloo"
+    backend = "cpu:gloo,cuda:nccl" if torch.cuda.is_available() else "gloo"
     if torch.cuda.is_available():
         torch.cuda.set_device(env.local_rank)
     torch.distributed.init_process_group(

@@ -75,8 +75,6 @@ def build_in_layout(model_cfg, train_tp: int, layout: Layout, head: str = "lm") 
     with torch.random.fork_rng(devices=devices):
         model = build_model_chunk(same_padding, parallel, head=head, config=config,
                                   pg_collection=layout.pg_collection)
-    if torch.cuda.is_available():
-        model.cuda(torch.cuda.current_device())
     return model.eval()
 
 

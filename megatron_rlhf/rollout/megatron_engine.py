@@ -68,7 +68,8 @@ def generate(
         for the call; its previous mode is restored afterwards.
     prompt_ids [b, s] long, LEFT-padded. Give exactly one of prompt_mask [b, s] (bool/0-1, True on
         real tokens, which must be the last ones of each row) or prompt_lengths [b] (real tokens are
-        the last prompt_lengths[i] columns). Every prompt needs at least one real token.
+        the last prompt_lengths[i] columns). Every prompt needs at least one real token. The prompts may
+        be on the host with the model on a GPU; the results are on the model's device.
     eos_id: generation of a row stops after it emits this id (None: always run max_new_tokens).
     pad_id: filler for response_ids after the end of each response.
     vocab_size: the TRUE vocabulary size; logits for padded ids (>= vocab_size) are dropped.
@@ -88,6 +89,7 @@ def generate(
     gpt = _single_chunk(model)
     use_lean = _use_lean(gpt, path)
     device = _device(gpt)
+    prompt_ids = prompt_ids.to(device)  # prompts may come from the host while the model is on a GPU
     lengths = _prompt_lengths(prompt_ids, prompt_mask, prompt_lengths).to(device)
     _check_ids(prompt_ids, lengths, vocab_size, eos_id, pad_id)
     if generator is None and seed is not None:
@@ -101,7 +103,7 @@ def generate(
                 raise ValueError(f"uniforms {tuple(uniforms.shape)} must be [batch, max_new_tokens] = "
                                  f"({prompt_ids.shape[0]}, {max_new_tokens})")
             draws = None if uniforms is None else uniforms.to(device)
-            return _decode(gpt, prompt_ids.to(device), lengths, sampling, eos_id, pad_id, vocab_size, generator, draws,
+            return _decode(gpt, prompt_ids, lengths, sampling, eos_id, pad_id, vocab_size, generator, draws,
                            lean=use_lean)
     finally:
         gpt.train(was_training)

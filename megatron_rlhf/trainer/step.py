@@ -24,6 +24,13 @@ def position_ids_for(input_ids: torch.Tensor) -> torch.Tensor:
     return torch.arange(s, device=input_ids.device).unsqueeze(0).expand(b, s)
 
 
+def on_device_of(model: torch.nn.Module, batch: Batch) -> Batch:
+    """`batch` with its tensors on `model`'s device: batches are built on the host, the model may sit on a
+    GPU (a no-op on CPU)."""
+    device = next(model.parameters()).device
+    return {k: v.to(device, non_blocking=True) if isinstance(v, torch.Tensor) else v for k, v in batch.items()}
+
+
 def make_forward_step(loss_fn: LossFn, model_kwargs: Callable[[Batch], dict] | None = None,
                       rows: Callable[[Batch], torch.Tensor | None] | None = None):
     """Build the `forward_step(data_iterator, model)` that Megatron's pipeline schedules call.
@@ -32,7 +39,7 @@ def make_forward_step(loss_fn: LossFn, model_kwargs: Callable[[Batch], dict] | N
     positions or None): an LM's logits come only at those rows, [b, T, V/tp] (models/logit_rows.py).
     """
     def forward_step(data_iterator, model):
-        batch = next(data_iterator)
+        batch = on_device_of(model, next(data_iterator))
         input_ids = batch["input_ids"]
         extra = model_kwargs(batch) if model_kwargs else {}
         with logits_at(model, rows(batch) if rows else None):
@@ -70,8 +77,8 @@ def reduce_stats(per_microbatch: List[dict], names: List[str] | None = None) -> 
     for mb in per_microbatch:
         for i, n in enumerate(names):
             s, c = mb[n]
-            buf[i, 0] += s.detach().double().sum()
-            buf[i, 1] += c.detach().double().sum()
+            buf[i, 0] += s.detach().double().sum().cpu()  # a stat may be on the GPU, another on the host
+            buf[i, 1] += c.detach().double().sum().cpu()
     if ps.is_pipeline_last_stage(ignore_virtual=True):
         torch.distributed.all_reduce(buf, group=ps.get_data_parallel_group(with_context_parallel=True))
     torch.distributed.broadcast(buf, src=last, group=pp_group)

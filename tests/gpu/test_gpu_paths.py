@@ -35,14 +35,20 @@ def test_local_spec_model_trains_on_gpu(world_of_one):
     from megatron_rlhf.models.build import build_model
     from megatron_rlhf.parallel import init
     from megatron_rlhf.parallel.layout import ParallelConfig
+    from megatron_rlhf.rollout.megatron_engine import generate
 
     init.initialize(ParallelConfig(), seed=0)
-    model = build_model(tiny(), ParallelConfig())[0].cuda()
+    model = build_model(tiny(), ParallelConfig())[0]
+    assert {p.device.type for p in model.parameters()} == {"cuda"}  # built on the GPU, no .cuda() by the caller
     ids = torch.randint(0, 256, (2, 64), device="cuda")
     pos = torch.arange(64, device="cuda").expand(2, 64)
     loss = model(ids, pos, None, labels=ids).float().mean()
     loss.backward()
     assert torch.isfinite(loss)
+    # Prompts built on the host, as the data pipeline builds them, with the model on the GPU.
+    out = generate(model, ids[:, :8].cpu(), prompt_lengths=torch.tensor([8, 8]), max_new_tokens=4, vocab_size=256,
+                   eos_id=None, pad_id=0, greedy=True)
+    assert out["response_ids"].shape == (2, 4)
 
 
 @cuda

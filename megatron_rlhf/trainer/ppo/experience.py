@@ -25,7 +25,7 @@ from megatron_rlhf.trainer.ppo.batch import Experience
 from megatron_rlhf.models import heads
 from megatron_rlhf.models.logit_rows import logits_at, pick_rows
 from megatron_rlhf.models.logprobs import token_entropy, token_logprobs, token_logprobs_and_entropy
-from megatron_rlhf.trainer.step import position_ids_for, run_schedule
+from megatron_rlhf.trainer.step import on_device_of, position_ids_for, run_schedule
 
 Batch = Dict[str, torch.Tensor]
 
@@ -114,12 +114,12 @@ def forward_collect(chunks, microbatches: List[Batch], extract: Callable[[torch.
             return forward_collect(policy, microbatches, extract, rows)
 
     def forward_step(data_iterator, model):
-        mb = next(data_iterator)
+        mb = on_device_of(model, next(data_iterator))
         with logits_at(model, rows(mb) if rows else None):
             output = model(mb["input_ids"], position_ids_for(mb["input_ids"]), None)
 
-        def loss_func(out):
-            return torch.zeros(()), torch.tensor(1, dtype=torch.int), {"out": extract(out, mb).detach()}
+        def loss_func(out):  # the results join the Experience, which lives on the host
+            return torch.zeros(()), torch.tensor(1, dtype=torch.int), {"out": extract(out, mb).detach().cpu()}
 
         return output, loss_func
 
