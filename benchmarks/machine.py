@@ -41,6 +41,14 @@ def gpu():
     return torch.cuda.get_device_name() if torch.cuda.is_available() else None
 
 
+def sync():
+    """Wait for the GPU's queued work (a no-op without CUDA), so that a wall-clock mark counts it."""
+    import torch
+
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
 def refuse_emulated_dtypes(parser: argparse.ArgumentParser, dtypes: Iterable[str]) -> None:
     """Stop with one line (argparse's error) for a dtype whose matrix products torch runs in its reference
     kernel on this CPU (bf16 without AVX-512: parallel/cpu.py item 11): the timings would measure that

@@ -65,17 +65,11 @@ import torch  # noqa: E402
 
 import trl_reference  # noqa: E402  (benchmarks/ is on sys.path when this file runs as a script)
 
-from machine import cpu, gpu, refuse_emulated_dtypes  # noqa: E402
+from machine import cpu, gpu, refuse_emulated_dtypes, sync  # noqa: E402
 
 from shapes import EPOCHS, MINIBATCHES, PROMPTS, SHAPE, SMOLLM2_135M, random_prompts  # noqa: E402
 
 SHAPES = {"reference": SHAPE, "smollm2-135m": SMOLLM2_135M}
-
-
-def sync():
-    """Wait for the GPU's queued work (a no-op on CPU), so that a wall-clock mark counts it."""
-    if torch.cuda.is_available():
-        torch.cuda.synchronize()
 
 
 @dataclass

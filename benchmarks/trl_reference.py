@@ -53,6 +53,8 @@ def seconds_per_iteration(shape: dict, prompts: int, minibatches: int, epochs: i
     from transformers import LlamaConfig, LlamaForCausalLM, LlamaForSequenceClassification, TrainerCallback
     from trl.experimental.ppo import PPOConfig, PPOTrainer
 
+    from machine import sync  # benchmarks/ is on sys.path: this module runs from ppo_iteration.py or as a script
+
     cfg = LlamaConfig(hidden_size=shape["hidden_size"], intermediate_size=shape["ffn_hidden_size"],
                       num_hidden_layers=shape["num_layers"], num_attention_heads=shape["num_attention_heads"],
                       num_key_value_heads=shape["num_query_groups"], vocab_size=shape["vocab_size"],
@@ -71,8 +73,7 @@ def seconds_per_iteration(shape: dict, prompts: int, minibatches: int, epochs: i
 
     class Stamp(TrainerCallback):
         def on_step_end(self, args, state, control, **kwargs):
-            if torch.cuda.is_available():  # the update's queued GPU work counts
-                torch.cuda.synchronize()
+            sync()  # the update's queued GPU work counts
             ends.append(time.perf_counter())
             if between is not None:
                 threads = torch.get_num_threads()
