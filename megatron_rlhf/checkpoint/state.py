@@ -28,7 +28,7 @@ import shutil
 import uuid
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Dict, List, Optional
+from typing import Any, Dict, List, Optional, Tuple
 
 import torch
 
@@ -403,13 +403,46 @@ def load_model_weights(path: str | os.PathLike, chunks, source_name: str, head: 
     `source_name`). `tokenizer`: the fingerprint of this run's tokenizer; a checkpoint that records another
     is refused (`check_tokenizer`; None: no check).
     """
-    import json
-
     from megatron.core import dist_checkpointing
 
     key = key or KEY_OF.get(source_name, "model.load")
     step_dir = resolve_checkpoint_dir(path)
     check_tokenizer(step_dir, tokenizer, key)
+    prefix, source_head = _source(step_dir, source_name, key)
+    skip_head = skip_head or source_head != head
+    template = _model_state(chunks, prefix, exclude="output_layer" if skip_head else None, dp_group=dp_group)
+    try:
+        loaded = dist_checkpointing.load({"m": template}, str(step_dir))
+    except _load_failures() as e:
+        raise CheckpointError(f"{key}: {unusable_checkpoint_message(step_dir, e, resume=False)}") from e
+    _load_into(chunks, loaded["m"], prefix, strict=not skip_head)
+
+
+def load_model(path: str | os.PathLike, model_cfg, parallel, source_name: str, head: str, *, fp8=None,
+               skip_head: bool = False, key: Optional[str] = None, tokenizer: Optional[dict] = None) -> list:
+    """`models.build.build_model(model_cfg, parallel, head=head, fp8=fp8)` with its weights from `path`
+    (`load_model_weights`, whose arguments the rest are). When the checkpoint writes every weight, none is
+    drawn at random first."""
+    from megatron_rlhf.models.build import build_model
+
+    whole = _loads_every_weight(path, source_name, head, skip_head, key)
+    chunks = build_model(model_cfg, parallel, head=head, fp8=fp8, initialise=not whole)
+    load_model_weights(path, chunks, source_name, head, skip_head=skip_head, key=key, tokenizer=tokenizer)
+    return chunks
+
+
+def _loads_every_weight(path: str | os.PathLike, source_name: str, head: str, skip_head: bool = False,
+                        key: Optional[str] = None) -> bool:
+    """Whether `load_model_weights` with these arguments writes every weight the built model draws at random:
+    all but an LM output layer left as built (a fresh scalar head starts at zero, drawing nothing).
+    Reads the checkpoint's metadata only; its errors are `load_model_weights`' own."""
+    key = key or KEY_OF.get(source_name, "model.load")
+    _, source_head = _source(resolve_checkpoint_dir(path), source_name, key)
+    return head == "scalar" or not (skip_head or source_head != head)
+
+
+def _source(step_dir: Path, source_name: str, key: str) -> Tuple[str, str]:
+    """(key prefix, head "lm"|"scalar") of the model `source_name` in a training or converted checkpoint."""
     if (step_dir / CONVERTED_META).exists():
         try:
             meta = json.loads((step_dir / CONVERTED_META).read_text())
@@ -419,13 +452,7 @@ def load_model_weights(path: str | os.PathLike, chunks, source_name: str, head: 
     else:
         prefix, source_head = f"{source_name}.", HEAD_OF.get(source_name, "lm")
         _check_holds(step_dir, source_name, key)
-    skip_head = skip_head or ("scalar" if source_head in ("scalar", "score") else "lm") != head
-    template = _model_state(chunks, prefix, exclude="output_layer" if skip_head else None, dp_group=dp_group)
-    try:
-        loaded = dist_checkpointing.load({"m": template}, str(step_dir))
-    except _load_failures() as e:
-        raise CheckpointError(f"{key}: {unusable_checkpoint_message(step_dir, e, resume=False)}") from e
-    _load_into(chunks, loaded["m"], prefix, strict=not skip_head)
+    return prefix, "scalar" if source_head in ("scalar", "score") else "lm"
 
 
 KEY_OF = {"policy": "model.load", "reward": "ppo.reward_load"}  # where each model usually comes from

@@ -83,20 +83,35 @@ def _cast_params(chunk: torch.nn.Module, dtype: torch.dtype) -> None:
             param.data = param.data.to(dtype)
 
 
+def _left_as_allocated(weight: torch.Tensor) -> torch.Tensor:
+    return weight
+
+
+# Megatron's initialisation with nothing drawn: each weight allocated in place on its device (no whole
+# host-side master weight split over TP ranks), then left as it is.
+UNINITIALISED = dict(init_method=_left_as_allocated, output_layer_init_method=_left_as_allocated,
+                     embedding_init_method=_left_as_allocated, use_cpu_initialization=False)
+
+
 def build_model(
     model: ModelConfig,
     parallel: ParallelConfig,
     *,
     head: Head = "lm",
     fp8: Optional[Fp8Config] = None,
+    initialise: bool = True,
 ) -> List[torch.nn.Module]:
     """The model chunks this rank owns (one per virtual pipeline stage; a list of one without VPP).
 
+    `initialise=False`: a checkpoint will write every weight, so none is drawn at random (on CPU Megatron
+    draws each whole weight on the host: seconds per model at 135M parameters, which loading then
+    overwrites); the weights hold whatever memory held until then. The tensor-parallel attributes that
+    the optimizer and the resharding read are set all the same.
     Requires `parallel.init.initialize(...)` to have run (process groups and RNG seeds).
     """
     from megatron.core import parallel_state
 
-    config = transformer_config(model, parallel, fp8)
+    config = transformer_config(model, parallel, fp8, **({} if initialise else UNINITIALISED))
     vpp = parallel.vpp or 1
     chunks = []
     for vp_stage in range(vpp):

@@ -30,6 +30,7 @@ from typing import Callable, Dict, Iterator, List, Optional, Sequence, Tuple
 import torch
 
 from megatron_rlhf.models.spec import ModelConfig
+from megatron_rlhf.parallel.device import compute_device
 
 
 class ConversionError(ValueError):
@@ -465,11 +466,7 @@ def iter_hf_weights(
                 shards = [p]
             full = unshard(rule, shards, cfg).clone()
         else:
-            full = torch.empty(canonical_shape(rule, cfg), dtype=owned[src][name], device=_device())
+            full = torch.empty(canonical_shape(rule, cfg), dtype=owned[src][name], device=compute_device())
         if pp > 1:
             dist.broadcast(full, src=dist.get_global_rank(pp_group, src), group=pp_group)
         yield from zip(rule.hf_names(layer), from_canonical(rule, full, cfg))
-
-
-def _device() -> torch.device:
-    return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")

@@ -34,6 +34,7 @@ from typing import List, Optional, Sequence
 import torch
 import torch.distributed as dist
 
+from megatron_rlhf.parallel.device import compute_device
 from megatron_rlhf.rollout.base import RolloutEngine, SamplingParams
 from megatron_rlhf.rollout.layout import build_in_layout, generate_in_layout, same_layout, tp_only_layout
 from megatron_rlhf.rollout.megatron_engine import MegatronRolloutEngine
@@ -120,7 +121,7 @@ class WeightSwap:
 
         key = (layout_key(self.source), layout_key(self.target))
         stale = torch.tensor([int(getattr(self.target, PLAN_KEY_ATTR, None) != key
-                                  or getattr(self.target, PLAN_ATTR, None) is None)], device=_device())
+                                  or getattr(self.target, PLAN_ATTR, None) is None)], device=compute_device())
         dist.all_reduce(stale, op=dist.ReduceOp.MAX)  # building a plan is collective: all ranks or none
         if stale.item():
             plan = build_centralized_reshard_plan(self.source, self.target,
@@ -138,10 +139,6 @@ class WeightSwap:
             self.exchange = SharedMemoryExchange.build(plan, self.source, self.target, self.service.gloo_pg)
             self.exchange_plan = plan
         execute_plan_gloo(plan, self.source, self.target, self.service.gloo_pg, exchange=self.exchange)
-
-
-def _device() -> torch.device:
-    return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
 
 
 class HybridRolloutEngine(RolloutEngine):

@@ -36,6 +36,7 @@ from typing import Dict, Iterable, List, Optional, Sequence, Tuple, Union
 
 import torch
 
+from megatron_rlhf.parallel.device import device_of
 from megatron_rlhf.rollout.base import RolloutEngine, SamplingParams
 
 Model = Union[torch.nn.Module, Sequence[torch.nn.Module]]
@@ -88,7 +89,7 @@ def generate(
     sampling = SamplingParams(max_new_tokens, temperature, greedy, top_k, top_p)
     gpt = _single_chunk(model)
     use_lean = _use_lean(gpt, path)
-    device = _device(gpt)
+    device = device_of(gpt)
     prompt_ids = prompt_ids.to(device)  # prompts may come from the host while the model is on a GPU
     lengths = _prompt_lengths(prompt_ids, prompt_mask, prompt_lengths).to(device)
     _check_ids(prompt_ids, lengths, vocab_size, eos_id, pad_id)
@@ -363,10 +364,6 @@ def _single_chunk(model: Model):
     if isinstance(getattr(gpt, "output_layer", None), ScalarHead):
         raise ValueError("generate() needs a language-model head; this model has a scalar (value/reward) head")
     return gpt
-
-
-def _device(gpt) -> torch.device:
-    return next(gpt.parameters()).device
 
 
 def _prompt_lengths(prompt_ids, prompt_mask, prompt_lengths) -> torch.Tensor:

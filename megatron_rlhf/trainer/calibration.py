@@ -15,7 +15,6 @@ import torch
 from megatron_rlhf.data import dataset as D
 from megatron_rlhf.checkpoint import state as ckpt
 from megatron_rlhf.data.collate import pad_sequences
-from megatron_rlhf.models.build import build_model
 from megatron_rlhf.models.heads import last_token_scores
 from megatron_rlhf.rollout.megatron_engine import generate_for_prompts
 from megatron_rlhf.trainer.step import make_forward_step, reduce_stats, run_schedule
@@ -43,11 +42,11 @@ def calibrate(cfg, reward_chunks, tokenizer, dp_rank: int, dp_size: int, log=Non
     if policy_path is None:
         raise ValueError("calibration needs the SFT policy: set calibration.policy_load (or model.load)")
     model_cfg = cfg.model.to_model_config()
-    policy = build_model(model_cfg, cfg.parallel, head="lm", fp8=cfg.fp8)
     from megatron_rlhf.trainer.run import expected_tokenizer
 
-    ckpt.load_model_weights(policy_path, policy, "policy", "lm", key="calibration.policy_load" if cal.policy_load
-                            else "model.load", tokenizer=expected_tokenizer(cfg, tokenizer))
+    policy = ckpt.load_model(policy_path, model_cfg, cfg.parallel, "policy", "lm", fp8=cfg.fp8,
+                             key="calibration.policy_load" if cal.policy_load else "model.load",
+                             tokenizer=expected_tokenizer(cfg, tokenizer))
 
     prompt_cfg = dataclasses.replace(cfg.data, train_path=cal.prompts_path or cfg.data.train_path, eval_path=None)
     prompts, _ = D.load_examples("prompt", prompt_cfg, tokenizer, log=log)

@@ -218,7 +218,6 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     from megatron_rlhf.data import dataset as D
     from megatron_rlhf.data import tokenizer as T
     from megatron_rlhf.checkpoint import state as ckpt
-    from megatron_rlhf.models.build import build_model
     from megatron_rlhf.parallel import init
     from megatron_rlhf.parallel.layout import ParallelConfig, validate_layout
 
@@ -245,8 +244,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         data_cfg = C.DataConfig(train_path=args.prompts, overlong="drop",
                                 max_seq_len=model_cfg.max_position_embeddings - args.max_new_tokens + 1)
         prompts, _ = D.load_examples("prompt", data_cfg, tokenizer, log=print if rank0 else None)
-        policy = build_model(model_cfg, parallel, head="lm")
-        ckpt.load_model_weights(args.policy, policy, "policy", "lm", key="--policy", tokenizer=T.fingerprint(tokenizer))
+        policy = ckpt.load_model(args.policy, model_cfg, parallel, "policy", "lm", key="--policy",
+                                 tokenizer=T.fingerprint(tokenizer))
 
         # Same seed on the TP ranks of one data-parallel rank (they must decode the same tokens),
         # different seeds across data-parallel ranks (disjoint prompts, independent samples).

@@ -122,11 +122,10 @@ def build_frozen(cfg, ctx: RunContext, head: str, load: Optional[str], source_na
                  skip_head: bool = False, key: Optional[str] = None) -> List[torch.nn.Module]:
     """Model chunks in the training layout with weights from `load` (model `source_name` in it; `key`: the
     setting `load` came from, for errors)."""
-    chunks = build_model(ctx.model_cfg, cfg.parallel, head=head, fp8=cfg.fp8)
-    if load:
-        ckpt.load_model_weights(load, chunks, source_name, head, skip_head=skip_head, key=key,
-                                tokenizer=expected_tokenizer(cfg, ctx.tokenizer))
-    return chunks
+    if not load:
+        return build_model(ctx.model_cfg, cfg.parallel, head=head, fp8=cfg.fp8)
+    return ckpt.load_model(load, ctx.model_cfg, cfg.parallel, source_name, head, fp8=cfg.fp8, skip_head=skip_head,
+                           key=key, tokenizer=expected_tokenizer(cfg, ctx.tokenizer))
 
 
 def build_trainable(cfg, ctx: RunContext, head: str, load: Optional[str], source_name: str, total_steps: int, *,

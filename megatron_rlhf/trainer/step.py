@@ -12,6 +12,7 @@ from typing import Callable, Dict, Iterable, List, Tuple
 import torch
 
 from megatron_rlhf.models.logit_rows import logits_at
+from megatron_rlhf.parallel.device import on_device_of
 from megatron_rlhf.trainer import optim
 
 Batch = Dict[str, torch.Tensor]
@@ -22,13 +23,6 @@ def position_ids_for(input_ids: torch.Tensor) -> torch.Tensor:
     """[b, s] -> [b, s] positions 0..s-1 (right padding keeps real tokens at their true positions)."""
     b, s = input_ids.shape
     return torch.arange(s, device=input_ids.device).unsqueeze(0).expand(b, s)
-
-
-def on_device_of(model: torch.nn.Module, batch: Batch) -> Batch:
-    """`batch` with its tensors on `model`'s device: batches are built on the host, the model may sit on a
-    GPU (a no-op on CPU)."""
-    device = next(model.parameters()).device
-    return {k: v.to(device, non_blocking=True) if isinstance(v, torch.Tensor) else v for k, v in batch.items()}
 
 
 def make_forward_step(loss_fn: LossFn, model_kwargs: Callable[[Batch], dict] | None = None,
@@ -74,11 +68,18 @@ def reduce_stats(per_microbatch: List[dict], names: List[str] | None = None) -> 
     if not names:
         return {}
     buf = torch.zeros(len(names), 2, dtype=torch.float64)
+    # A stat may be on the GPU, another on the host: sum each device's stats there and copy each total once
+    # (one wait for the GPU per step, not two per stat and micro-batch).
+    totals: Dict[torch.device, torch.Tensor] = {}
     for mb in per_microbatch:
         for i, n in enumerate(names):
             s, c = mb[n]
-            buf[i, 0] += s.detach().double().sum().cpu()  # a stat may be on the GPU, another on the host
-            buf[i, 1] += c.detach().double().sum().cpu()
+            if s.device not in totals:
+                totals[s.device] = torch.zeros(len(names), 2, dtype=torch.float64, device=s.device)
+            totals[s.device][i, 0] += s.detach().double().sum()
+            totals[s.device][i, 1] += c.detach().double().sum().to(s.device)
+    for total in totals.values():
+        buf += total.cpu()
     if ps.is_pipeline_last_stage(ignore_virtual=True):
         torch.distributed.all_reduce(buf, group=ps.get_data_parallel_group(with_context_parallel=True))
     torch.distributed.broadcast(buf, src=last, group=pp_group)

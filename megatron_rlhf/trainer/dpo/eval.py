@@ -68,7 +68,6 @@ def summary_pass(cfg, chunks, tokenizer, dp_rank: int, dp_size: int, log) -> Dic
     if d.eval_prompts_path is None:
         return {}
     from megatron_rlhf.checkpoint import state as ckpt
-    from megatron_rlhf.models.build import build_model
     from megatron_rlhf.trainer.ppo.models import freeze
     from megatron_rlhf.trainer.run import expected_tokenizer
 
@@ -76,8 +75,8 @@ def summary_pass(cfg, chunks, tokenizer, dp_rank: int, dp_size: int, log) -> Dic
     rows, _ = D.load_examples("prompt", prompt_cfg, tokenizer, log=log)
     prompts = list(rows["prompt_ids"])
     # The reference again: with reference_logprobs=precompute it was freed before training.
-    reference = freeze(build_model(cfg.model.to_model_config(), cfg.parallel, head="lm", fp8=cfg.fp8))
-    ckpt.load_model_weights(cfg.model.load, reference, "policy", "lm", tokenizer=expected_tokenizer(cfg, tokenizer))
+    reference = freeze(ckpt.load_model(cfg.model.load, cfg.model.to_model_config(), cfg.parallel, "policy", "lm",
+                                       fp8=cfg.fp8, tokenizer=expected_tokenizer(cfg, tokenizer)))
     gold = load_gold_scorer(d.gold_scorer)
     out: Dict[str, float] = {}
     for greedy in (False, True):

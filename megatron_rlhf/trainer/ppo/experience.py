@@ -25,7 +25,8 @@ from megatron_rlhf.trainer.ppo.batch import Experience
 from megatron_rlhf.models import heads
 from megatron_rlhf.models.logit_rows import logits_at, pick_rows
 from megatron_rlhf.models.logprobs import token_entropy, token_logprobs, token_logprobs_and_entropy
-from megatron_rlhf.trainer.step import on_device_of, position_ids_for, run_schedule
+from megatron_rlhf.parallel.device import on_device_of
+from megatron_rlhf.trainer.step import position_ids_for, run_schedule
 
 Batch = Dict[str, torch.Tensor]
 

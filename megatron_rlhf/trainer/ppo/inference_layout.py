@@ -17,6 +17,7 @@ import torch
 
 from megatron_rlhf.models.logit_rows import logits_at
 from megatron_rlhf.models.logprobs import token_logprobs
+from megatron_rlhf.parallel.device import on_device_of
 from megatron_rlhf.rollout import redistribute as R
 from megatron_rlhf.rollout.layout import Layout, build_in_layout, run_in_layout
 
@@ -50,19 +51,17 @@ class InferenceModel:
     def _forward(self, mb: Dict[str, torch.Tensor]) -> torch.Tensor:
         from megatron_rlhf.trainer.step import position_ids_for
 
-        device = next(self.model.parameters()).device
-        ids = mb["input_ids"].to(device)
-        T = mb["response_ids"].shape[1]
-        lengths = mb["prompt_lengths"].to(device)
+        mb = on_device_of(self.model, mb)
+        ids, lengths, T = mb["input_ids"], mb["prompt_lengths"], mb["response_ids"].shape[1]
         if self.head == "scalar":
             output = self.model(ids, position_ids_for(ids), None)  # [b, S, 1] scores
-            last = (lengths + mb["response_mask"].to(device).sum(-1).long() - 1).clamp(min=0)
+            last = (lengths + mb["response_mask"].sum(-1).long() - 1).clamp(min=0)
             return output.squeeze(-1).gather(1, last.unsqueeze(1)).squeeze(1).float().cpu()
-        index = ((lengths - 1).unsqueeze(1) + torch.arange(T, device=device)).clamp(max=ids.shape[1] - 1)
+        index = ((lengths - 1).unsqueeze(1) + torch.arange(T, device=ids.device)).clamp(max=ids.shape[1] - 1)
         with logits_at(self.model, index):
             z = self.model(ids, position_ids_for(ids), None)  # [b, T, V/tp]: the response positions' logits
         group = self.layout.pg_collection.tp if self.layout.tp > 1 else None
-        return token_logprobs(z, mb["response_ids"].to(device), group, self.vocab_size, self.temperature).float().cpu()
+        return token_logprobs(z, mb["response_ids"], group, self.vocab_size, self.temperature).float().cpu()
 
 
 def _rows(microbatches: List[Dict[str, torch.Tensor]]) -> Dict[str, torch.Tensor]:

@@ -22,6 +22,7 @@ import torch
 
 from megatron_rlhf.checkpoint import state as ckpt
 from megatron_rlhf.config.ppo import critic_free
+from megatron_rlhf.parallel.device import compute_device
 from megatron_rlhf.trainer.ppo.reference_swap import HostReference
 from megatron_rlhf.trainer.run import RunContext, Trainable, build_frozen, build_trainable, expected_tokenizer, with_lr
 
@@ -143,7 +144,7 @@ def resident(chunks: List[torch.nn.Module], offload: bool) -> Iterator[None]:
     if not (offload and torch.cuda.is_available()):
         yield
         return
-    device = torch.device("cuda", torch.cuda.current_device())
+    device = compute_device()
     for c in chunks:
         c.to(device, non_blocking=True)
     try:
