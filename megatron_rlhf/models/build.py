@@ -13,6 +13,7 @@ import torch
 
 from megatron_rlhf.models.heads import ScalarHead
 from megatron_rlhf.models.spec import ModelConfig, layer_spec, transformer_config
+from megatron_rlhf.parallel.device import compute_device
 from megatron_rlhf.parallel.layout import Fp8Config, ParallelConfig
 
 Head = Literal["lm", "scalar"]
@@ -67,8 +68,7 @@ def build_model_chunk(
     elif post_process:
         logit_rows.install(gpt)  # logits batch-major, and at chosen rows only (models/logit_rows.py)
     _cast_params(gpt, config.params_dtype)
-    if torch.cuda.is_available():  # Megatron leaves the move to the caller, as its own training's get_model does
-        gpt.cuda(torch.cuda.current_device())
+    gpt.to(compute_device())  # Megatron leaves the move to the caller, as its own training's get_model does
     return gpt
 
 
