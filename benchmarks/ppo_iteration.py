@@ -351,6 +351,9 @@ def main():
     line["cpu"] = cpu()
     line["gpu"] = gpu()
     print(json.dumps(line))
+    from megatron_rlhf.parallel import init
+
+    init.destroy()  # NCCL warns of a process group left to the interpreter's exit
 
 
 if __name__ == "__main__":

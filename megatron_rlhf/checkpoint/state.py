@@ -425,13 +425,13 @@ def load_model(path: str | os.PathLike, model_cfg, parallel, source_name: str, h
     drawn at random first."""
     from megatron_rlhf.models.build import build_model
 
-    whole = _loads_every_weight(path, source_name, head, skip_head, key)
+    whole = loads_every_weight(path, source_name, head, skip_head, key)
     chunks = build_model(model_cfg, parallel, head=head, fp8=fp8, initialise=not whole)
     load_model_weights(path, chunks, source_name, head, skip_head=skip_head, key=key, tokenizer=tokenizer)
     return chunks
 
 
-def _loads_every_weight(path: str | os.PathLike, source_name: str, head: str, skip_head: bool = False,
+def loads_every_weight(path: str | os.PathLike, source_name: str, head: str, skip_head: bool = False,
                         key: Optional[str] = None) -> bool:
     """Whether `load_model_weights` with these arguments writes every weight the built model draws at random:
     all but an LM output layer left as built (a fresh scalar head starts at zero, drawing nothing).

@@ -152,7 +152,8 @@ class HybridRolloutEngine(RolloutEngine):
         "auto" = CUDA if present; None keeps them; "cpu" runs the moves on CPU, for tests)."""
         self.train_chunks, self.release_device = list(train_chunks), release_device
         self.layout = tp_only_layout(tp)
-        self.model = build_in_layout(model_cfg, train_tp, self.layout)
+        # Drawing nothing: the first generate swaps every element in (`_copy_due` is true on a first call).
+        self.model = build_in_layout(model_cfg, train_tp, self.layout, initialise=False)
         self.swap = WeightSwap(train_chunks, self.model)
         self.decoder = MegatronRolloutEngine(self.model, eos_id=eos_id, pad_id=pad_id, vocab_size=vocab_size)
         self.pad_id = pad_id

@@ -1,4 +1,5 @@
-"""A 2-iteration PPO run on CUDA (skipped without it): SFT -> RM -> PPO through the CLI on one GPU.
+"""A 2-iteration PPO run on CUDA (skipped without it): SFT -> RM -> PPO through the CLI on one GPU, then PPO again
+with the reference and reward models in a layout of their own (`ppo.inference_tp=1`).
 
 Run on a GPU node: `pytest tests/gpu/test_ppo_gpu.py` (uses torchrun with one rank, NCCL, bf16).
 """
@@ -37,14 +38,21 @@ def test_two_ppo_iterations_on_cuda(tmp_path):
              "train.train_steps=10", "train.global_batch_size=32", "train.micro_batch_size=16",
              f"calibration.prompts_path={tmp_path / 'prompts.jsonl'}", "calibration.num_prompts=32",
              "calibration.max_new_tokens=11", f"logging.run_dir={tmp_path / 'rm'}", nproc=1, env=env)
-    torchrun(cli, "ppo", *common, f"model.load={tmp_path / 'sft' / 'checkpoints'}", f"data.train_path={tmp_path / 'prompts.jsonl'}",
-             f"data.eval_path={tmp_path / 'prompts.jsonl'}", "data.max_prompt_len=12",
-             f"ppo.reward_load={tmp_path / 'rm' / 'checkpoints'}", "ppo.iterations=2", "ppo.rollout_batch_size=32",
-             "ppo.minibatch_size=16", "train.micro_batch_size=16", "ppo.max_new_tokens=11", "ppo.eval_prompts=32",
-             "ppo.gold_scorer=megatron_rlhf.tasks.sort_digits:gold_scores", "ppo.offload_frozen=true",
-             f"logging.run_dir={tmp_path / 'ppo'}", nproc=1, env=env)
+    ppo = [*common, f"model.load={tmp_path / 'sft' / 'checkpoints'}", f"data.train_path={tmp_path / 'prompts.jsonl'}",
+           f"data.eval_path={tmp_path / 'prompts.jsonl'}", "data.max_prompt_len=12",
+           f"ppo.reward_load={tmp_path / 'rm' / 'checkpoints'}", "ppo.iterations=2", "ppo.rollout_batch_size=32",
+           "ppo.minibatch_size=16", "train.micro_batch_size=16", "ppo.max_new_tokens=11", "ppo.eval_prompts=32",
+           "ppo.gold_scorer=megatron_rlhf.tasks.sort_digits:gold_scores"]
+    torchrun(cli, "ppo", *ppo, "ppo.offload_frozen=true", f"logging.run_dir={tmp_path / 'ppo'}", nproc=1, env=env)
     summary = json.loads((tmp_path / "ppo" / "summary.json").read_text())
     assert summary["iterations"] == 2 and summary["true_reward_ppo"] is not None
     rows = [json.loads(line) for line in (tmp_path / "ppo" / "metrics.jsonl").read_text().splitlines()]
     assert rows[1]["ppo/kl_per_seq"] == pytest.approx(0.0, abs=1e-3)  # bf16: policy == reference at iteration 1
     assert rows[-1]["perf/peak_memory_gib"] > 0
+    # Reference and reward in a layout of their own (built on the GPU without drawing, then loaded): the first
+    # rollout is the same, and so are its scores.
+    torchrun(cli, "ppo", *ppo, "ppo.inference_tp=1", f"logging.run_dir={tmp_path / 'ppo_inference_tp'}",
+             nproc=1, env=env)
+    own = [json.loads(line) for line in (tmp_path / "ppo_inference_tp" / "metrics.jsonl").read_text().splitlines()]
+    assert own[1]["ppo/kl_per_seq"] == pytest.approx(0.0, abs=1e-3)
+    assert own[1]["ppo/rm_score"] == pytest.approx(rows[1]["ppo/rm_score"], rel=1e-2, abs=1e-2)

@@ -1,6 +1,10 @@
 """checkpoint/state.py `load_model`: a model whose every weight the checkpoint writes is built without drawing
 any (no random state moves; the tensor-parallel attributes are those of a drawn model) and equals the saved
-one; an LM head that the source lacks is still drawn. A world of one rank, in process."""
+one; an LM head that the source lacks is still drawn. The frozen models of `ppo.inference_tp`, built in a
+layout of their own, likewise. A world of one rank, in process."""
+
+import dataclasses
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -59,3 +63,36 @@ def test_an_lm_head_the_source_lacks_is_drawn(saved):
     assert torch.isfinite(weight).all() and 0.01 < float(weight.detach().std()) < 0.04  # drawn with std 0.02
     body = models["reward"][0].state_dict()
     assert torch.equal(chunk.embedding.word_embeddings.weight, body["embedding.word_embeddings.weight"])
+
+
+def test_an_inference_layout_model_draws_nothing_and_the_load_writes_every_element(world, tmp_path, monkeypatch):
+    """trainer/ppo/inference_layout.py: the reference and the reward model equal the saved ones, padding rows of
+    the vocabulary included, though their built weights were NaN; and no weight was drawn for them."""
+    from megatron_rlhf.rollout import layout
+    from megatron_rlhf.trainer.ppo import inference_layout
+
+    padded = dataclasses.replace(CFG, make_vocab_size_divisible_by=4)  # 17 -> 20: three padding rows
+    models = {"policy": build_model(padded, ParallelConfig()),
+              "reward": build_model(padded, ParallelConfig(), head="scalar")}
+    with torch.no_grad():
+        models["reward"][0].output_layer.weight.normal_()
+    ckpt.save_checkpoint(tmp_path, 1, models, {}, {}, {"step": 1}, keep_last=1)
+    draws = []
+    monkeypatch.setattr(torch.nn.init, "normal_", lambda tensor, *a, **k: draws.append(tensor.shape) or tensor)
+
+    def built_as_nan(*args, **kwargs):
+        model = layout.build_in_layout(*args, **kwargs)
+        with torch.no_grad():
+            for p in model.parameters():
+                p.fill_(float("nan"))
+        return model
+
+    monkeypatch.setattr(inference_layout, "build_in_layout", built_as_nan)
+    for name, head in (("policy", "lm"), ("reward", "scalar")):
+        model = inference_layout.build_inference_model(SimpleNamespace(parallel=ParallelConfig()), padded,
+                                                       layout.tp_only_layout(1), head, tmp_path, name, 1.0).model
+        source = models[name][0].state_dict()
+        loaded = {k: v for k, v in model.state_dict().items() if isinstance(v, torch.Tensor)}
+        assert loaded and all(torch.equal(v, source[k]) for k, v in loaded.items()), name
+        assert model.embedding.word_embeddings.weight.shape[0] == 20
+    assert draws == []

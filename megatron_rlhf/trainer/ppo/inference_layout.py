@@ -85,7 +85,8 @@ def build_inference_model(cfg, model_cfg, layout: Layout, head: str, load: str, 
     the training layout loads. `tokenizer`: the fingerprint the checkpoint must match (None: no check)."""
     from megatron_rlhf.checkpoint import state as ckpt
 
-    model = build_in_layout(model_cfg, cfg.parallel.tp, layout, head=head)
+    model = build_in_layout(model_cfg, cfg.parallel.tp, layout, head=head,
+                            initialise=not ckpt.loads_every_weight(load, source_name, head))
     ckpt.load_model_weights(load, [model], source_name, head, dp_group=layout.pg_collection.dp, tokenizer=tokenizer)
     for p in model.parameters():
         p.requires_grad_(False)

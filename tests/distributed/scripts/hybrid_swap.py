@@ -97,10 +97,13 @@ def full_weights(chunks, tp_group):
 
 
 def same_weights(gen_model, gen_tp_group, train_chunks):
+    """The copy holds the training weights, and no element of its own is left unwritten: `engine_for` fills it
+    with NaN, and the vocabulary's padding row (which `full_weights` trims) must have been swapped in too."""
     from megatron.core import parallel_state as ps
 
     a, b = full_weights([gen_model], gen_tp_group), full_weights(train_chunks, ps.get_tensor_model_parallel_group())
-    return sorted(a) == sorted(b) and all(torch.equal(a[k], b[k]) for k in a)
+    written = all(bool(torch.isfinite(p).all()) for p in gen_model.parameters())
+    return written and sorted(a) == sorted(b) and all(torch.equal(a[k], b[k]) for k in a)
 
 
 def load(parallel, ckpt_dir, mode="load"):
@@ -128,8 +131,13 @@ def tp_group():
 def engine_for(chunks, parallel, tp):
     # release_device="cpu": the training weights really leave (empty storages) while the copy decodes,
     # so a decode that read them would fail, and every later check sees them restored.
-    return HybridRolloutEngine(chunks, CFG, parallel.tp, tp, eos_id=EOS, pad_id=PAD, vocab_size=VOCAB,
-                               release_device="cpu")
+    # The copy is built without drawing its weights; NaN makes any element the first swap misses show.
+    engine = HybridRolloutEngine(chunks, CFG, parallel.tp, tp, eos_id=EOS, pad_id=PAD, vocab_size=VOCAB,
+                                 release_device="cpu")
+    with torch.no_grad():
+        for p in engine.model.parameters():
+            p.fill_(float("nan"))
+    return engine
 
 
 def lm_batch(seed):
