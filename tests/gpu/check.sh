@@ -11,7 +11,7 @@
 # WHEEL_DIR, for a machine without a package registry: wheels of what its Python lacks (megatron-core,
 # omegaconf, datasets with dill and multiprocess, trl), installed without dependencies into
 # /tmp/gpu-check-site, which goes first on PYTHONPATH. Leave out what the machine has (a newer pyarrow than
-# its own broke `datasets`). On one H200: tests ~100 s, the SmolLM2 part ~300 s (the reference part has not run).
+# its own broke `datasets`). On one H200: tests ~150 s, the SmolLM2 part ~280-300 s, the reference part ~50 s.
 set -u
 cd "$(dirname "$0")/../.."
 out=$(realpath "${1:-.}"); wheels=${2:-}
@@ -36,7 +36,7 @@ part() {  # part NAME SECONDS COMMAND...: run one part under a time limit, its o
   tail -n 40 "$out/$name.log"
   echo "=== $name: rc=$rc in $((SECONDS - start))s"
 }
-part gpu-tests 150 python3 -m pytest tests/gpu -v -rs -p no:cacheprovider
+part gpu-tests 240 python3 -m pytest tests/gpu -v -rs -p no:cacheprovider
 part bench-smollm2 330 python3 benchmarks/ppo_iteration.py --shape smollm2-135m --dtype both --repeats 3
 part bench-reference 90 python3 benchmarks/ppo_iteration.py --repeats 3
 grep -h '^{' "$out"/bench-*.log > "$out/bench.jsonl" 2>/dev/null
