@@ -56,11 +56,40 @@ def allocate(optimizer) -> None:
                         "exp_avg": torch.zeros_like(p), "exp_avg_sq": torch.zeros_like(p)}
 
 
+@contextlib.contextmanager
+def step_apart(optimizer):
+    """While a DistributedOptimizer builds its "dp_reshardable" state dict (each rank's shard of its buckets):
+    each parameter's tensors without torch Adam's per-parameter `step`. That format shards every tensor it is
+    given like a moment, so the 0-dim step went to disk as a slice of a bucket and came back as garbage (a
+    resumed run's bias correction then differed). The step travels in the param groups instead
+    (`DistributedOptimizer.state_dict`), and `load` gives it back to every parameter."""
+    with contextlib.ExitStack() as stack:
+        for dist_opt, _ in _distributed_adams(optimizer):
+            stack.enter_context(_without_step(dist_opt))
+        yield
+
+
+@contextlib.contextmanager
+def _without_step(dist_opt):
+    original = dist_opt._get_main_param_and_optimizer_states
+
+    def get_states(model_param):
+        return {k: v for k, v in original(model_param).items() if k != "step"}
+
+    dist_opt._get_main_param_and_optimizer_states = get_states
+    try:
+        yield
+    finally:
+        del dist_opt._get_main_param_and_optimizer_states  # the class's method again
+
+
 def load(optimizer, state_dict) -> None:
     """`optimizer.load_state_dict(state_dict)`, with the step kept apart from the per-parameter copy and
-    the run's Adam kernel flags kept."""
+    the run's Adam kernel flags kept. Under no_grad: Megatron's "dp_reshardable" load copies into an fp32
+    model's main parameters, which are views of the model's (leaf, requires-grad) parameters, without it."""
     kernels = kernel_flags(optimizer)
     with contextlib.ExitStack() as stack:
+        stack.enter_context(torch.no_grad())
         for dist_opt, torch_opt in _distributed_adams(optimizer):
             stack.enter_context(_step_kept(dist_opt, torch_opt))
         optimizer.load_state_dict(state_dict)

@@ -21,6 +21,7 @@ the same on every rank (step, data cursor, KL controller, ...). RNG states are p
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import json
 import os
@@ -136,18 +137,27 @@ def _load_into(chunks, model_sd: dict, prefix: str, strict: bool = True) -> None
         _unwrap(chunk).load_state_dict({k[cut:]: v for k, v in model_sd[f"chunk{i}"].items()}, strict=strict)
 
 
-_OPT_METADATA = {"distrib_optim_sharding_type": "fully_reshardable"}
+# How the distributed optimizer's state is written: each rank its own shard of Megatron's buckets, with no
+# gather (Megatron's own default; it resumes at any DP with the same TP and PP). "fully_reshardable", the
+# format of earlier checkpoints (still read), gathers the whole state into host memory on every rank at each
+# save: PPO on SmolLM2-135M at DP=2 reached 12 GB per rank and was killed; an 8B policy would need ~100 GB.
+OPTIMIZER_FORMAT = "dp_reshardable"
+EARLIER_OPTIMIZER_FORMAT = "fully_reshardable"  # a checkpoint that records no format
 
 
-def _sharded_state(models, optimizers, schedulers, extra, is_loading: bool) -> dict:
+def _sharded_state(models, optimizers, schedulers, extra, is_loading: bool,
+                   optimizer_format: Optional[str] = None) -> dict:
+    """`optimizer_format`: the distributed optimizer's (default `OPTIMIZER_FORMAT`, what saves write)."""
+    optimizer_format = optimizer_format or OPTIMIZER_FORMAT
     state: Dict[str, Any] = {}
     for name, chunks in models.items():
         model_sd = _model_state(chunks, f"{name}.")
         state[f"model.{name}"] = model_sd
         if name in optimizers:
-            state[f"optimizer.{name}"] = optimizers[name].sharded_state_dict(
-                model_sd, is_loading=is_loading, metadata=_OPT_METADATA
-            )
+            with optim_state.step_apart(optimizers[name]) if optimizer_format == "dp_reshardable" \
+                    else contextlib.nullcontext():
+                state[f"optimizer.{name}"] = optimizers[name].sharded_state_dict(
+                    model_sd, is_loading=is_loading, metadata={"distrib_optim_sharding_type": optimizer_format})
     for name, sched in schedulers.items():
         state[f"scheduler.{name}"] = sched.state_dict()
     state["extra"] = extra
@@ -341,10 +351,16 @@ def load_checkpoint(
     path = Path(path)
     for optimizer in optimizers.values():
         optim_state.allocate(optimizer)
-    template = _sharded_state(models, optimizers, schedulers, {}, is_loading=True)
+    optimizer_format = _saved_optimizer_format(path) if optimizers else None
+    template = _sharded_state(models, optimizers, schedulers, {}, is_loading=True, optimizer_format=optimizer_format)
     try:
         loaded = dist_checkpointing.load(template, str(path))
     except _load_failures() as e:  # re-raised with the path and a remedy
+        if optimizer_format == "dp_reshardable" and "optimizer.distributed." in str(e):
+            raise CheckpointError(
+                f"checkpoint {path} holds the distributed optimizer's state as each rank's shard, which resumes "
+                "only at the parallel.tp and parallel.pp it was saved with (any DP): resume with those, or start a "
+                f"new run (another logging.run_dir) from its weights with model.load={path}") from e
         raise CheckpointError(unusable_checkpoint_message(path, e)) from e
     for name, chunks in models.items():
         _load_into(chunks, loaded[f"model.{name}"], f"{name}.")
@@ -361,6 +377,27 @@ def load_checkpoint(
         if "cuda" in rng and torch.cuda.is_available():
             torch.cuda.set_rng_state(rng["cuda"])
     return loaded["extra"]
+
+
+def _saved_optimizer_format(path: Path) -> str:
+    """The distributed-optimizer format a checkpoint was written in (from its common state; for a checkpoint
+    without a distributed optimizer the value is unused). Unreadable: the load itself reports the damage."""
+    from megatron.core import dist_checkpointing
+
+    try:
+        common = dist_checkpointing.load_common_state_dict(str(path))
+    except Exception:  # noqa: BLE001 - reported by the load that follows, with the path and a remedy
+        return OPTIMIZER_FORMAT
+    todo = [common]
+    while todo:
+        node = todo.pop()
+        if isinstance(node, dict):
+            if isinstance(node.get("param_state_sharding_type"), str):
+                return node["param_state_sharding_type"]
+            todo += list(node.values())
+        elif isinstance(node, (list, tuple)):
+            todo += list(node)
+    return EARLIER_OPTIMIZER_FORMAT
 
 
 def _load_rng(path: Path) -> Optional[dict]:

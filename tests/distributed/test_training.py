@@ -61,6 +61,28 @@ def test_resume_is_exact(data, tmp_path, kind, nproc, extra):
     assert [a[s] for s in range(1, 7)] == [b[s] for s in range(1, 7)]  # bit-exact on CPU
 
 
+def test_distributed_optimizer_resumes_at_another_dp_and_refuses_another_tp(data, tmp_path):
+    """fp32 with the distributed optimizer, whose state each rank saves as its own shard (checkpoint/state.py
+    OPTIMIZER_FORMAT): stopped at step 3 on 2 ranks (DP=2), it resumes on one (DP=1) along the same curve; at
+    TP=2 the resume stops at once with one line saying which settings resume it."""
+    import shutil
+
+    distopt = {"parallel.use_distributed_optimizer": "true"}
+    straight, split, one, tp2 = (tmp_path / n for n in ("straight", "split", "one", "tp2"))
+    run_cli("sft", overrides(data, straight, **distopt), nproc=2)
+    run_cli("sft", overrides(data, split, **distopt, **{"train.exit_at_step": 3}), nproc=2)
+    shutil.copytree(split, tp2)
+    proc = run_cli("sft", overrides(data, tp2, **distopt, **{"parallel.tp": 2}), nproc=2, check=False)
+    lines = [line for line in (proc.stdout + proc.stderr).splitlines() if line.startswith("error:")]
+    assert proc.returncode != 0 and lines and "resumes only at the parallel.tp and parallel.pp" in lines[0], lines
+    shutil.copytree(split, one)
+    run_cli("sft", overrides(data, one, **distopt), nproc=1)
+    a, c = losses(straight), losses(one)
+    assert sorted(a) == sorted(c) == [1, 2, 3, 4, 5, 6]
+    for s in (4, 5, 6):  # another DP: the same curve up to fp32 summation order
+        assert c[s] == pytest.approx(a[s], rel=1e-5), s
+
+
 def test_kill_9_during_save_keeps_previous_checkpoint(data, tmp_path):
     straight, crashed = tmp_path / "straight", tmp_path / "crashed"
     run_cli("sft", overrides(data, straight))

@@ -1,0 +1,60 @@
+"""checkpoint/state.py: the distributed optimizer's state on disk. Saves write each rank's own shard (Megatron's
+"dp_reshardable": nothing gathered into host memory); a load reads the format the checkpoint records, the
+"fully_reshardable" of earlier checkpoints included. Either way the resumed optimizer continues exactly as the
+one that saved, torch Adam's per-parameter `step` included. A world of one rank, in process."""
+
+import pytest
+import torch
+
+from megatron_rlhf.checkpoint import state as ckpt
+from megatron_rlhf.config.schema import TrainConfig
+from megatron_rlhf.models.build import build_model
+from megatron_rlhf.models.spec import ModelConfig
+from megatron_rlhf.parallel.layout import ParallelConfig
+from megatron_rlhf.trainer.optim import build_optimizer, wrap_ddp
+from megatron_rlhf.trainer.run import Trainable
+from megatron_rlhf.trainer.step import make_forward_step, train_step
+
+VOCAB = 32
+
+
+def _trainable(dtype: str, seed: int):
+    cfg = ModelConfig(num_layers=2, hidden_size=32, ffn_hidden_size=64, num_attention_heads=4, num_query_groups=2,
+                      vocab_size=VOCAB, max_position_embeddings=64, params_dtype=dtype, init_method_std=0.2)
+    torch.manual_seed(seed)
+    (model,) = build_model(cfg, ParallelConfig())
+    chunks = wrap_ddp([model], True)
+    optimizer, scheduler = build_optimizer(chunks, TrainConfig(lr=1e-2), True, 10)
+    return Trainable(chunks, optimizer, scheduler), model
+
+
+def _step(t: Trainable, seed: int) -> None:
+    def loss(out, batch):
+        n = torch.tensor(out.shape[0] * out.shape[1])
+        total = -torch.log_softmax(out.float(), -1)[..., 0].sum()
+        return total, n, {"loss": (total.detach(), n)}
+
+    mbs = [{"input_ids": torch.randint(0, VOCAB, (2, 8), generator=torch.Generator().manual_seed(seed))}]
+    train_step(t.chunks, t.optimizer, t.scheduler, mbs, make_forward_step(loss))
+
+
+def _objects(t: Trainable) -> tuple:
+    return {"policy": t.chunks}, {"policy": t.optimizer}, {"policy": t.scheduler}
+
+
+@pytest.mark.parametrize("written", ["dp_reshardable", "fully_reshardable"])
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_a_resumed_distributed_optimizer_continues_exactly(world, tmp_path, monkeypatch, written, dtype):
+    saver, saved_model = _trainable(dtype, seed=0)
+    for s in (0, 1):
+        _step(saver, s)
+    with monkeypatch.context() as m:
+        m.setattr(ckpt, "OPTIMIZER_FORMAT", written)  # "fully_reshardable": a checkpoint of the earlier format
+        step_dir = ckpt.save_checkpoint(tmp_path, 2, *_objects(saver), {})
+    assert ckpt._saved_optimizer_format(step_dir) == written
+    resumed, resumed_model = _trainable(dtype, seed=1)  # other weights, a fresh optimizer
+    ckpt.load_checkpoint(step_dir, *_objects(resumed))
+    for s in (2, 3):  # Adam's moments and per-parameter step decide these two updates
+        _step(saver, s)
+        _step(resumed, s)
+    assert all(torch.equal(p, q) for p, q in zip(saved_model.parameters(), resumed_model.parameters()))
