@@ -469,7 +469,7 @@ def load_model(path: str | os.PathLike, model_cfg, parallel, source_name: str, h
 
 
 def loads_every_weight(path: str | os.PathLike, source_name: str, head: str, skip_head: bool = False,
-                        key: Optional[str] = None) -> bool:
+                       key: Optional[str] = None) -> bool:
     """Whether `load_model_weights` with these arguments writes every weight the built model draws at random:
     all but an LM output layer left as built (a fresh scalar head starts at zero, drawing nothing).
     Reads the checkpoint's metadata only; its errors are `load_model_weights`' own."""
