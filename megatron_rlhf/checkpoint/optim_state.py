@@ -1,4 +1,15 @@
-"""Loading a Megatron optimizer's state whose inner optimizer is torch's Adam(W).
+"""A Megatron optimizer's state in a checkpoint: its sharded state dict, and loading it when the inner
+optimizer is torch's Adam(W).
+
+Layout (`LAYOUT`, recorded in each checkpoint): a distributed optimizer's state is written as each rank's
+own shard of Megatron's buckets ("dp_reshardable", Megatron's default: nothing is gathered, and it resumes at
+any DP with the same TP and PP). "fully_reshardable", the format of earlier checkpoints (still read),
+gathers the whole state into host memory on every rank at each save: PPO on SmolLM2-135M at DP=2 reached
+12 GB per rank and was killed; an 8B policy would need ~100 GB. Megatron keys that shard
+"optimizer.distributed.dp_group_idx_<i>.*" whichever model the optimizer steps, so two optimizers in one
+checkpoint (PPO's policy and value) wrote the same keys: Megatron's sharding validation then failed on rank 0
+alone and the other ranks waited in the save until the watchdog. Keys "by_model" put the model's name in
+front of every key of its optimizer; "shared" (earlier checkpoints, one optimizer each) did not.
 
 Megatron-Core 0.16.1 loads its DistributedOptimizer's state fully only for Transformer Engine's and
 Apex's fused Adams, which keep `step` per parameter group. torch's Adam keeps a `step` tensor per
@@ -23,6 +34,22 @@ import contextlib
 import torch
 
 KERNEL_KEYS = ("fused", "foreach")
+LAYOUT = {"format": "dp_reshardable", "keys": "by_model"}  # what saves write
+EARLIER_FORMAT = "fully_reshardable"  # a checkpoint that records no format
+
+
+def sharded_state_dict(optimizer, model_sd: dict, name: str, is_loading: bool, layout: dict) -> dict:
+    """`optimizer`'s sharded state dict in `layout` (see the module's docstring), for the model `name`
+    whose sharded state dict is `model_sd`."""
+    from megatron.core.dist_checkpointing.utils import add_prefix_for_sharding
+
+    fmt = layout["format"]
+    with step_apart(optimizer) if fmt == "dp_reshardable" else contextlib.nullcontext():
+        sd = optimizer.sharded_state_dict(model_sd, is_loading=is_loading,
+                                          metadata={"distrib_optim_sharding_type": fmt})
+    if layout["keys"] == "by_model":
+        add_prefix_for_sharding(sd, f"{name}.")
+    return sd
 
 
 def _inner(optimizer) -> list:

@@ -14,14 +14,13 @@ kept: each step directory records the stage, the run and the tokenizer that wrot
 removes only older steps of the same run, so a directory shared by mistake never loses another
 run's checkpoints, nor the one just written.
 
-What is saved: each named model (all its chunks), each named optimizer (fully reshardable, so a
-run may resume under another layout) and scheduler, plus `extra`: any picklable state that is
+What is saved: each named model (all its chunks), each named optimizer (a distributed optimizer as each
+rank's shard: optim_state.py) and scheduler, plus `extra`: any picklable state that is
 the same on every rank (step, data cursor, KL controller, ...). RNG states are per rank.
 """
 
 from __future__ import annotations
 
-import contextlib
 import errno
 import json
 import os
@@ -137,27 +136,18 @@ def _load_into(chunks, model_sd: dict, prefix: str, strict: bool = True) -> None
         _unwrap(chunk).load_state_dict({k[cut:]: v for k, v in model_sd[f"chunk{i}"].items()}, strict=strict)
 
 
-# How the distributed optimizer's state is written: each rank its own shard of Megatron's buckets, with no
-# gather (Megatron's own default; it resumes at any DP with the same TP and PP). "fully_reshardable", the
-# format of earlier checkpoints (still read), gathers the whole state into host memory on every rank at each
-# save: PPO on SmolLM2-135M at DP=2 reached 12 GB per rank and was killed; an 8B policy would need ~100 GB.
-OPTIMIZER_FORMAT = "dp_reshardable"
-EARLIER_OPTIMIZER_FORMAT = "fully_reshardable"  # a checkpoint that records no format
-
-
 def _sharded_state(models, optimizers, schedulers, extra, is_loading: bool,
-                   optimizer_format: Optional[str] = None) -> dict:
-    """`optimizer_format`: the distributed optimizer's (default `OPTIMIZER_FORMAT`, what saves write)."""
-    optimizer_format = optimizer_format or OPTIMIZER_FORMAT
-    state: Dict[str, Any] = {}
+                   optimizer_layout: Optional[dict] = None) -> dict:
+    """`optimizer_layout`: how the optimizers' state is laid out (default `optim_state.LAYOUT`, what saves
+    write); recorded in the checkpoint's common state, where a load reads it back (`_saved_optimizer_layout`)."""
+    layout = optimizer_layout or optim_state.LAYOUT
+    state: Dict[str, Any] = {"optimizer_layout": dict(layout)}
     for name, chunks in models.items():
         model_sd = _model_state(chunks, f"{name}.")
         state[f"model.{name}"] = model_sd
         if name in optimizers:
-            with optim_state.step_apart(optimizers[name]) if optimizer_format == "dp_reshardable" \
-                    else contextlib.nullcontext():
-                state[f"optimizer.{name}"] = optimizers[name].sharded_state_dict(
-                    model_sd, is_loading=is_loading, metadata={"distrib_optim_sharding_type": optimizer_format})
+            state[f"optimizer.{name}"] = optim_state.sharded_state_dict(optimizers[name], model_sd, name,
+                                                                        is_loading, layout)
     for name, sched in schedulers.items():
         state[f"scheduler.{name}"] = sched.state_dict()
     state["extra"] = extra
@@ -351,12 +341,12 @@ def load_checkpoint(
     path = Path(path)
     for optimizer in optimizers.values():
         optim_state.allocate(optimizer)
-    optimizer_format = _saved_optimizer_format(path) if optimizers else None
-    template = _sharded_state(models, optimizers, schedulers, {}, is_loading=True, optimizer_format=optimizer_format)
+    layout = _saved_optimizer_layout(path) if optimizers else None
+    template = _sharded_state(models, optimizers, schedulers, {}, is_loading=True, optimizer_layout=layout)
     try:
         loaded = dist_checkpointing.load(template, str(path))
     except _load_failures() as e:  # re-raised with the path and a remedy
-        if optimizer_format == "dp_reshardable" and "optimizer.distributed." in str(e):
+        if layout and layout["format"] == "dp_reshardable" and "optimizer.distributed." in str(e):
             raise CheckpointError(
                 f"checkpoint {path} holds the distributed optimizer's state as each rank's shard, which resumes "
                 "only at the parallel.tp and parallel.pp it was saved with (any DP): resume with those, or start a "
@@ -379,25 +369,28 @@ def load_checkpoint(
     return loaded["extra"]
 
 
-def _saved_optimizer_format(path: Path) -> str:
-    """The distributed-optimizer format a checkpoint was written in (from its common state; for a checkpoint
-    without a distributed optimizer the value is unused). Unreadable: the load itself reports the damage."""
+def _saved_optimizer_layout(path: Path) -> dict:
+    """How a checkpoint lays out its optimizers' state (`optim_state.LAYOUT`), from its common state. A
+    checkpoint that records none: Megatron's own record of its distributed optimizer's format (default the
+    earlier "fully_reshardable"), keys shared between models. Unreadable: the load itself reports the damage."""
     from megatron.core import dist_checkpointing
 
     try:
         common = dist_checkpointing.load_common_state_dict(str(path))
     except Exception:  # noqa: BLE001 - reported by the load that follows, with the path and a remedy
-        return OPTIMIZER_FORMAT
+        return dict(optim_state.LAYOUT)
+    if isinstance(common.get("optimizer_layout"), dict):
+        return common["optimizer_layout"]
     todo = [common]
     while todo:
         node = todo.pop()
         if isinstance(node, dict):
             if isinstance(node.get("param_state_sharding_type"), str):
-                return node["param_state_sharding_type"]
+                return {"format": node["param_state_sharding_type"], "keys": "shared"}
             todo += list(node.values())
         elif isinstance(node, (list, tuple)):
             todo += list(node)
-    return EARLIER_OPTIMIZER_FORMAT
+    return {"format": optim_state.EARLIER_FORMAT, "keys": "shared"}
 
 
 def _load_rng(path: Path) -> Optional[dict]:

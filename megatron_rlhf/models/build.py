@@ -87,10 +87,14 @@ def _left_as_allocated(weight: torch.Tensor) -> torch.Tensor:
     return weight
 
 
-# Megatron's initialisation with nothing drawn: each weight allocated in place on its device (no whole
-# host-side master weight split over TP ranks), then left as it is.
-UNINITIALISED = dict(init_method=_left_as_allocated, output_layer_init_method=_left_as_allocated,
-                     embedding_init_method=_left_as_allocated, use_cpu_initialization=False)
+def initialisation(initialise: bool) -> dict:
+    """`transformer_config` overrides: none (Megatron draws every weight), or, when a checkpoint will write
+    every weight, nothing drawn: each weight allocated in place on its device (no whole host-side master
+    weight split over TP ranks), then left as it is."""
+    if initialise:
+        return {}
+    return dict(init_method=_left_as_allocated, output_layer_init_method=_left_as_allocated,
+                embedding_init_method=_left_as_allocated, use_cpu_initialization=False)
 
 
 def build_model(
@@ -111,7 +115,7 @@ def build_model(
     """
     from megatron.core import parallel_state
 
-    config = transformer_config(model, parallel, fp8, **({} if initialise else UNINITIALISED))
+    config = transformer_config(model, parallel, fp8, **initialisation(initialise))
     vpp = parallel.vpp or 1
     chunks = []
     for vp_stage in range(vpp):

@@ -60,18 +60,18 @@ def build_in_layout(model_cfg, train_tp: int, layout: Layout, head: str = "lm",
     """A GPTModel for `layout`, whose weights a swap or a load then replaces.
 
     `initialise=False`: that swap or load writes every element, so none is drawn first (`models.build.
-    UNINITIALISED`: the weights hold whatever memory held; the tensor-parallel attributes that the
+    initialisation`: the weights hold whatever memory held; the tensor-parallel attributes that the
     resharding planner reads are set all the same). The vocabulary keeps the padding of the training TP
     (`model_cfg.padded_vocab_size(train_tp)`), so every vocab-parallel tensor has the same global shape in
     both layouts (config/rollout.py checks that `layout.tp` divides it)."""
-    from megatron_rlhf.models.build import UNINITIALISED, build_model_chunk
+    from megatron_rlhf.models.build import build_model_chunk, initialisation
     from megatron_rlhf.models.spec import transformer_config
     from megatron_rlhf.parallel.layout import ParallelConfig
 
     padded = model_cfg.padded_vocab_size(train_tp)
     same_padding = dataclasses.replace(model_cfg, make_vocab_size_divisible_by=padded // layout.tp)
     parallel = ParallelConfig(tp=layout.tp)
-    config = transformer_config(same_padding, parallel, None, **({} if initialise else UNINITIALISED))
+    config = transformer_config(same_padding, parallel, None, **initialisation(initialise))
     # Under a forked RNG: building a model that draws its weights must not move training's draws.
     devices = [torch.cuda.current_device()] if torch.cuda.is_available() else []
     with torch.random.fork_rng(devices=devices):

@@ -15,6 +15,7 @@ the clipping's multiply (each a pass over 2 x 540 MB per step of a 135M fp32 mod
 from __future__ import annotations
 
 import math
+import weakref
 from typing import List, Optional, Tuple
 
 import torch
@@ -98,11 +99,23 @@ def build_optimizer(chunks: List[torch.nn.Module], cfg, use_distributed_optimize
     for chunk in chunks:
         c = chunk.config
         c.finalize_model_grads_func = finalize_grads
-        c.grad_scale_func = optimizer.scale_loss
+        c.grad_scale_func = _weak_method(optimizer.scale_loss)
         c.no_sync_func = [m.no_sync for m in chunks] if len(chunks) > 1 else chunks[0].no_sync
         if use_distributed_optimizer:
             c.param_sync_func = None  # params are gathered at the end of optimizer.step()
     return optimizer, scheduler
+
+
+def _weak_method(method):
+    """`method` called through a weak reference to its object. The model's config must not keep its
+    distributed optimizer alive: through that edge the two formed a cycle the garbage collector cannot see
+    whole (it runs through tensors that autograd's C++ side also holds), so a dropped model and optimizer,
+    and the process groups they hold with their gloo threads, stayed alive until the process ended."""
+    ref = weakref.WeakMethod(method)
+
+    def call(*args, **kwargs):
+        return ref()(*args, **kwargs)
+    return call
 
 
 def use_fused_adam(optimizer) -> None:

@@ -86,12 +86,15 @@ def test_ppo_raises_the_true_reward_and_iteration_one_is_exact(base, tmp_path):
 
 
 def test_exact_resume_and_tp2_match_dp2(base, tmp_path):
+    """The resumed pair runs the distributed optimizer (as the 8B and 70B recipes do): policy and value save
+    their optimizers' shards into one checkpoint. TP=2 and PP=2 run Megatron's plain optimizer."""
     straight, resumed, tp2 = tmp_path / "straight", tmp_path / "resumed", tmp_path / "tp2"
     warm = {"ppo.value_warmup_iterations": 1, "ppo.iterations": 3}  # iteration 1 trains the value model only
-    torchrun(CLI, *ppo_args(base, straight, **warm), nproc=2, timeout=600)
-    torchrun(CLI, *ppo_args(base, resumed, **warm, **{"train.exit_at_step": 2}), nproc=2, timeout=600)
+    distopt = {"parallel.use_distributed_optimizer": "true"}
+    torchrun(CLI, *ppo_args(base, straight, **warm, **distopt), nproc=2, timeout=600)
+    torchrun(CLI, *ppo_args(base, resumed, **warm, **distopt, **{"train.exit_at_step": 2}), nproc=2, timeout=600)
     assert max(rows(resumed)) == 2
-    torchrun(CLI, *ppo_args(base, resumed, **warm), nproc=2, timeout=600)
+    torchrun(CLI, *ppo_args(base, resumed, **warm, **distopt), nproc=2, timeout=600)
     a, b = rows(straight), rows(resumed)
     assert sorted(a) == sorted(b) == [0, 1, 2, 3]
     for step in a:  # bit-identical: a fresh optimizer, scheduler, cursor or KL state would show here

@@ -4,7 +4,8 @@ at TP=1 x DP=2 and at PP=2, loaded from the converted checkpoint and straight fr
 its weights stream back out bit for bit (scripts/convert_parity.py, the same checks as the tiny models);
 the Megatron sampler's greedy continuation equals transformers' `generate` for 32 tokens on 4
 left-padded chat prompts (scripts/real_model_greedy.py); two PPO iterations on it (chat prompts, its
-tokenizer and EOS) stop after the first, resume, and export an HF policy that transformers loads and chats with."""
+tokenizer and EOS, the distributed optimizer) stop after the first, resume, and export an HF policy that
+transformers loads and chats with."""
 
 from __future__ import annotations
 
@@ -100,12 +101,13 @@ def test_two_ppo_iterations_on_the_real_model_resume_and_export(work, tmp_path):
             "train.lr_schedule=constant", "train.micro_batch_size=2", f"ppo.reward_load={tmp_path / 'rm.mg'}",
             "ppo.normalize_reward=false", "ppo.iterations=2", "ppo.rollout_batch_size=4", "ppo.minibatch_size=4",
             "ppo.epochs=1", "ppo.max_new_tokens=8", "ppo.eval_interval=0", "checkpoint.save_interval=1",
-            f"logging.run_dir={run}", "logging.progress_bar=false"]
+            f"logging.run_dir={run}", "logging.progress_bar=false",
+            "parallel.use_distributed_optimizer=true"]  # as the 8B and 70B recipes: each rank saves its shard
     first = torchrun(CLI, *args, "train.exit_at_step=1", nproc=2, timeout=900)
     assert not (run / "hf_policy").exists() and (run / "checkpoints" / "latest").read_text().strip().endswith("1")
     resumed = torchrun(CLI, *args, nproc=2, timeout=900)
     assert "resumed from" in resumed.stdout + resumed.stderr
-    # 3 GB each (policy and value with their Adam moments): the interval's save is not repeated at the end
+    # 4 GB each (policy and value with their Adam moments): the interval's save is not repeated at the end
     assert first.stdout.count("checkpoint of iteration 1:") == 1 and resumed.stdout.count("checkpoint of") == 1
     steps = {r["step"]: r for r in read_jsonl(run / "metrics.jsonl") if "ppo/kl_per_seq" in r}
     assert sorted(steps) == [1, 2]

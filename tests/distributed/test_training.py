@@ -62,8 +62,8 @@ def test_resume_is_exact(data, tmp_path, kind, nproc, extra):
 
 
 def test_distributed_optimizer_resumes_at_another_dp_and_refuses_another_tp(data, tmp_path):
-    """fp32 with the distributed optimizer, whose state each rank saves as its own shard (checkpoint/state.py
-    OPTIMIZER_FORMAT): stopped at step 3 on 2 ranks (DP=2), it resumes on one (DP=1) along the same curve; at
+    """fp32 with the distributed optimizer, whose state each rank saves as its own shard (checkpoint/optim_state.py
+    LAYOUT): stopped at step 3 on 2 ranks (DP=2), it resumes on one (DP=1) along the same curve; at
     TP=2 the resume stops at once with one line saying which settings resume it."""
     import shutil
 

@@ -38,23 +38,62 @@ def _step(t: Trainable, seed: int) -> None:
     train_step(t.chunks, t.optimizer, t.scheduler, mbs, make_forward_step(loss))
 
 
-def _objects(t: Trainable) -> tuple:
-    return {"policy": t.chunks}, {"policy": t.optimizer}, {"policy": t.scheduler}
+def _objects(**trainables: Trainable) -> tuple:
+    return ({n: t.chunks for n, t in trainables.items()}, {n: t.optimizer for n, t in trainables.items()},
+            {n: t.scheduler for n, t in trainables.items()})
 
 
-@pytest.mark.parametrize("written", ["dp_reshardable", "fully_reshardable"])
+def _written_as_earlier(layout: dict):
+    """`_sharded_state` as checkpoints written before the layout was recorded: that layout, no record."""
+    original = ckpt._sharded_state
+
+    def sharded_state(*args, **kwargs):
+        state = original(*args, **{**kwargs, "optimizer_layout": layout})
+        del state["optimizer_layout"]
+        return state
+    return sharded_state
+
+
+# What saves write, and the two layouts of earlier checkpoints (which record none): the distributed optimizer's
+# shards under Megatron's keys, and the whole state gathered ("fully_reshardable").
+LAYOUTS = {"current": None, "earlier_shards": {"format": "dp_reshardable", "keys": "shared"},
+           "earlier_gathered": {"format": "fully_reshardable", "keys": "shared"}}
+
+
+@pytest.mark.parametrize("written", list(LAYOUTS))
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_a_resumed_distributed_optimizer_continues_exactly(world, tmp_path, monkeypatch, written, dtype):
     saver, saved_model = _trainable(dtype, seed=0)
     for s in (0, 1):
         _step(saver, s)
     with monkeypatch.context() as m:
-        m.setattr(ckpt, "OPTIMIZER_FORMAT", written)  # "fully_reshardable": a checkpoint of the earlier format
-        step_dir = ckpt.save_checkpoint(tmp_path, 2, *_objects(saver), {})
-    assert ckpt._saved_optimizer_format(step_dir) == written
+        if LAYOUTS[written] is not None:
+            m.setattr(ckpt, "_sharded_state", _written_as_earlier(LAYOUTS[written]))
+        step_dir = ckpt.save_checkpoint(tmp_path, 2, *_objects(policy=saver), {})
+    assert ckpt._saved_optimizer_layout(step_dir) == (LAYOUTS[written] or ckpt.optim_state.LAYOUT)
     resumed, resumed_model = _trainable(dtype, seed=1)  # other weights, a fresh optimizer
-    ckpt.load_checkpoint(step_dir, *_objects(resumed))
+    ckpt.load_checkpoint(step_dir, *_objects(policy=resumed))
     for s in (2, 3):  # Adam's moments and per-parameter step decide these two updates
         _step(saver, s)
         _step(resumed, s)
     assert all(torch.equal(p, q) for p, q in zip(saved_model.parameters(), resumed_model.parameters()))
+
+
+def test_two_distributed_optimizers_share_a_checkpoint(world, tmp_path):
+    """PPO's policy and value in one checkpoint, each with its distributed optimizer: Megatron keys both
+    optimizers' shards alike, so without the model's name in front of its optimizer's keys the save failed
+    its sharding validation ("Duplicate ShardedObject keys"; on 2 ranks, rank 0 alone, and the others hung)."""
+    policy, policy_model = _trainable("float32", seed=0)
+    value, value_model = _trainable("float32", seed=1)
+    for s in (0, 1):
+        _step(policy, s)
+        _step(value, 10 + s)
+    step_dir = ckpt.save_checkpoint(tmp_path, 2, *_objects(policy=policy, value=value), {})
+    policy2, policy2_model = _trainable("float32", seed=2)
+    value2, value2_model = _trainable("float32", seed=3)
+    ckpt.load_checkpoint(step_dir, *_objects(policy=policy2, value=value2))
+    for s in (2, 3):
+        for t, seed in ((policy, s), (policy2, s), (value, 10 + s), (value2, 10 + s)):
+            _step(t, seed)
+    for a, b in ((policy_model, policy2_model), (value_model, value2_model)):
+        assert all(torch.equal(p, q) for p, q in zip(a.parameters(), b.parameters()))
