@@ -32,7 +32,7 @@ from typing import Any, Dict, List, Optional, Tuple
 
 import torch
 
-from megatron_rlhf.checkpoint import optim_state
+from megatron_rlhf.checkpoint import optim_state, sharding
 from megatron_rlhf.checkpoint.damage import (  # noqa: F401 - CheckpointError is imported from here
     CheckpointError,
     _load_failures,
@@ -191,7 +191,8 @@ def save_checkpoint(
     state = _sharded_state(models, optimizers, schedulers, dict(extra, step=step), is_loading=False)
     failure = None
     try:
-        dist_checkpointing.save(state, str(tmp))
+        with sharding.checked_on_every_rank():
+            dist_checkpointing.save(state, str(tmp))
         (tmp / "rng").mkdir(exist_ok=True)
         torch.save(_rng_state(), tmp / "rng" / f"rank{_rank():05d}.pt")
         if run is not None and _rank() == 0:
