@@ -97,3 +97,18 @@ def test_two_distributed_optimizers_share_a_checkpoint(world, tmp_path):
             _step(t, seed)
     for a, b in ((policy_model, policy2_model), (value_model, value2_model)):
         assert all(torch.equal(p, q) for p, q in zip(a.parameters(), b.parameters()))
+
+
+def test_a_dropped_distributed_optimizer_and_its_model_are_freed(world):
+    """The model config's `grad_scale_func` reaches the optimizer weakly (trainer/optim.py `_weak_method`): held
+    strongly, it closed a cycle through tensors that autograd's C++ side also holds, the garbage collector never
+    freed the pair, and the process groups they hold kept their gloo threads to interpreter shutdown."""
+    import gc
+    import weakref
+
+    t, model = _trainable("float32", seed=0)
+    _step(t, 0)
+    refs = [weakref.ref(x) for x in (t.chunks[0], t.optimizer, model)]
+    del t, model
+    gc.collect()
+    assert [r() is None for r in refs] == [True, True, True]
