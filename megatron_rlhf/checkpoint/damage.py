@@ -14,6 +14,8 @@ from typing import List, Optional
 
 import torch
 
+from megatron_rlhf.parallel.report import first_problem
+
 # Root causes that mean "another architecture", not "damaged files".
 _MISMATCH = ("shape mismatch", "missing key", "unexpected key", "not in the checkpoint", "missing keys")
 
@@ -108,11 +110,7 @@ def load_rng_collectively(file: Path, ckpt_dir: Path) -> Optional[dict]:
             rng = torch.load(file, weights_only=True)
         except Exception as e:  # noqa: BLE001 - any unreadable file is damage, reported below
             error = f"{file.relative_to(ckpt_dir)}: {root_cause(e)}"
-    errors = [error]
-    if torch.distributed.is_initialized() and torch.distributed.get_world_size() > 1:
-        errors = [""] * torch.distributed.get_world_size()
-        torch.distributed.all_gather_object(errors, error)
-    first = next((x for x in errors if x), None)
+    first = first_problem(error)
     if first:
         raise CheckpointError(damaged_message(Path(ckpt_dir), first))
     return rng

@@ -11,6 +11,10 @@ checkpoint (PPO's policy and value) wrote the same keys: Megatron's sharding val
 alone and the other ranks waited in the save until the watchdog. Keys "by_model" put the model's name in
 front of every key of its optimizer; "shared" (earlier checkpoints, one optimizer each) did not.
 
+Each checkpoint also records each optimizer's `split` (distributed or not, and the TP, PP and virtual stages its
+shards follow), so that a resume that cannot read the state (the distributed optimizer switched on or off, or
+its shards at another TP or PP) stops before loading, in one line naming the setting (`resume_problem`).
+
 Megatron-Core 0.16.1 loads its DistributedOptimizer's state fully only for Transformer Engine's and
 Apex's fused Adams, which keep `step` per parameter group. torch's Adam keeps a `step` tensor per
 parameter, and two places then fail (each hit by a resumed run; neither needs a GPU to fail):
@@ -30,6 +34,8 @@ this run off the fused one.
 from __future__ import annotations
 
 import contextlib
+from pathlib import Path
+from typing import Any, Dict, Optional, Tuple
 
 import torch
 
@@ -50,6 +56,76 @@ def sharded_state_dict(optimizer, model_sd: dict, name: str, is_loading: bool, l
     if layout["keys"] == "by_model":
         add_prefix_for_sharding(sd, f"{name}.")
     return sd
+
+
+SPLIT_SETTINGS = {"distributed": "use_distributed_optimizer", "tp": "tp", "pp": "pp", "vpp": "vpp"}
+
+
+def split(optimizer) -> dict:
+    """What a resume must match to read `optimizer`'s saved state: {"distributed": bool, "tp", "pp", "vpp"}
+    (the model split of this rank, which a distributed optimizer's per-rank shards follow)."""
+    from megatron.core import parallel_state as ps
+    from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
+
+    return {"distributed": any(isinstance(o, DistributedOptimizer) for o in _inner(optimizer)),
+            "tp": ps.get_tensor_model_parallel_world_size(), "pp": ps.get_pipeline_model_parallel_world_size(),
+            "vpp": ps.get_virtual_pipeline_model_parallel_world_size()}
+
+
+def resume_problem(saved: dict, current: dict, layout: dict) -> Optional[Tuple[str, str]]:
+    """(what differs, the settings that resume it) when optimizer state saved under the split `saved` cannot
+    load into an optimizer under `current` (`split`); None when it can. A plain optimizer's state reshards to
+    any split; a distributed one's only to another DP in "dp_reshardable"; neither reads the other's."""
+    def setting(key: str, value) -> str:  # as an override is written
+        shown = "null" if value is None else str(value).lower() if isinstance(value, bool) else value
+        return f"parallel.{SPLIT_SETTINGS[key]}={shown}"
+
+    if saved["distributed"] != current["distributed"]:
+        return (f"it was saved with {setting('distributed', saved['distributed'])} and this run sets "
+                f"{str(current['distributed']).lower()}", setting("distributed", saved["distributed"]))
+    changed = [k for k in ("tp", "pp", "vpp") if saved.get(k) != current[k]]
+    if saved["distributed"] and layout["format"] == "dp_reshardable" and changed:
+        this_run = ", ".join(setting(k, current[k]) for k in changed)
+        return ("its distributed optimizer state is each rank's shard, which resumes only at the parallel.tp and "
+                f"parallel.pp it was saved with (any DP; this run has {this_run})",
+                ", ".join(setting(k, saved.get(k)) for k in changed))
+    return None
+
+
+def saved_layout(path: Path, optimizers: Dict[str, Any]) -> dict:
+    """How a checkpoint lays out its optimizers' state (`LAYOUT`), from its common state, once each
+    of `optimizers` is known to read it: if one cannot (`resume_problem`), CheckpointError naming the
+    setting. A checkpoint that records no layout: Megatron's own record of its distributed optimizer's format
+    (default the earlier "fully_reshardable"), keys shared between models. Unreadable: the load itself reports
+    the damage."""
+    from megatron.core import dist_checkpointing
+
+    from megatron_rlhf.checkpoint.damage import CheckpointError
+
+    try:
+        common = dist_checkpointing.load_common_state_dict(str(path))
+    except Exception:  # noqa: BLE001 - reported by the load that follows, with the path and a remedy
+        return dict(LAYOUT)
+    if isinstance(common.get("optimizer_layout"), dict):
+        layout = common["optimizer_layout"]
+        for name, saved in (common.get("optimizer_splits") or {}).items():
+            problem = resume_problem(saved, split(optimizers[name]), layout) if name in optimizers else None
+            if problem:
+                raise CheckpointError(
+                    f"checkpoint {path} cannot resume this run's {name} optimizer: {problem[0]}: resume with "
+                    f"{problem[1]}, or start a new run (another logging.run_dir) from its weights with "
+                    f"model.load={path}")
+        return layout
+    todo = [common]
+    while todo:
+        node = todo.pop()
+        if isinstance(node, dict):
+            if isinstance(node.get("param_state_sharding_type"), str):
+                return {"format": node["param_state_sharding_type"], "keys": "shared"}
+            todo += list(node.values())
+        elif isinstance(node, (list, tuple)):
+            todo += list(node)
+    return {"format": EARLIER_FORMAT, "keys": "shared"}
 
 
 def _inner(optimizer) -> list:

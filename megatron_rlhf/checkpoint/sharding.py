@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import contextlib
 
-import torch
+from megatron_rlhf.parallel.report import first_problem
 
 
 @contextlib.contextmanager
@@ -28,13 +28,9 @@ def checked_on_every_rank():
             original(global_metadata, common_state_dict=common_state_dict)
         except Exception as e:  # noqa: BLE001 - shared with every rank, then raised on each
             verdict = str(e) or type(e).__name__
-        verdicts = [verdict]
-        if torch.distributed.is_initialized() and torch.distributed.get_world_size() > 1:
-            verdicts = [None] * torch.distributed.get_world_size()
-            torch.distributed.all_gather_object(verdicts, verdict)
-        failed = [v for v in verdicts if v is not None]
-        if failed:
-            raise CheckpointingException(f"invalid sharding: {failed[0]}")
+        failed = first_problem(verdict)
+        if failed is not None:
+            raise CheckpointingException(f"invalid sharding: {failed}")
 
     state_dict_utils.validate_sharding_integrity = validate
     try:

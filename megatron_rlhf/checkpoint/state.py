@@ -139,9 +139,11 @@ def _load_into(chunks, model_sd: dict, prefix: str, strict: bool = True) -> None
 def _sharded_state(models, optimizers, schedulers, extra, is_loading: bool,
                    optimizer_layout: Optional[dict] = None) -> dict:
     """`optimizer_layout`: how the optimizers' state is laid out (default `optim_state.LAYOUT`, what saves
-    write); recorded in the checkpoint's common state, where a load reads it back (`_saved_optimizer_layout`)."""
+    write); recorded in the checkpoint's common state, where a load reads it back (`optim_state.saved_layout`)."""
     layout = optimizer_layout or optim_state.LAYOUT
     state: Dict[str, Any] = {"optimizer_layout": dict(layout)}
+    if not is_loading:
+        state["optimizer_splits"] = {name: optim_state.split(o) for name, o in optimizers.items()}
     for name, chunks in models.items():
         model_sd = _model_state(chunks, f"{name}.")
         state[f"model.{name}"] = model_sd
@@ -238,15 +240,12 @@ def _raise_if_any_rank_failed(root: Path, tmp: Path, step: int, failure: Optiona
     """Collective: if a rank's write failed, remove the partial `tmp` and raise one CheckpointError on every rank
     (the previous checkpoint and `latest` are untouched)."""
     from megatron_rlhf.checkpoint.damage import root_cause
+    from megatron_rlhf.parallel.report import from_every_rank
 
     mine = None
     if failure is not None:
         mine = ("no space" if _no_space(failure) or _free_bytes(root) < (1 << 20) else root_cause(failure))
-    reports = [mine]
-    if torch.distributed.is_initialized() and torch.distributed.get_world_size() > 1:
-        reports = [None] * torch.distributed.get_world_size()
-        torch.distributed.all_gather_object(reports, mine)
-    failed = [r for r in reports if r is not None]
+    failed = [r for r in from_every_rank(mine) if r is not None]
     if not failed:
         return
     if _rank() == 0:
@@ -342,7 +341,7 @@ def load_checkpoint(
     path = Path(path)
     for optimizer in optimizers.values():
         optim_state.allocate(optimizer)
-    layout = _saved_optimizer_layout(path) if optimizers else None
+    layout = optim_state.saved_layout(path, optimizers) if optimizers else None
     template = _sharded_state(models, optimizers, schedulers, {}, is_loading=True, optimizer_layout=layout)
     try:
         loaded = dist_checkpointing.load(template, str(path))
@@ -368,30 +367,6 @@ def load_checkpoint(
         if "cuda" in rng and torch.cuda.is_available():
             torch.cuda.set_rng_state(rng["cuda"])
     return loaded["extra"]
-
-
-def _saved_optimizer_layout(path: Path) -> dict:
-    """How a checkpoint lays out its optimizers' state (`optim_state.LAYOUT`), from its common state. A
-    checkpoint that records none: Megatron's own record of its distributed optimizer's format (default the
-    earlier "fully_reshardable"), keys shared between models. Unreadable: the load itself reports the damage."""
-    from megatron.core import dist_checkpointing
-
-    try:
-        common = dist_checkpointing.load_common_state_dict(str(path))
-    except Exception:  # noqa: BLE001 - reported by the load that follows, with the path and a remedy
-        return dict(optim_state.LAYOUT)
-    if isinstance(common.get("optimizer_layout"), dict):
-        return common["optimizer_layout"]
-    todo = [common]
-    while todo:
-        node = todo.pop()
-        if isinstance(node, dict):
-            if isinstance(node.get("param_state_sharding_type"), str):
-                return {"format": node["param_state_sharding_type"], "keys": "shared"}
-            todo += list(node.values())
-        elif isinstance(node, (list, tuple)):
-            todo += list(node)
-    return {"format": optim_state.EARLIER_FORMAT, "keys": "shared"}
 
 
 def _load_rng(path: Path) -> Optional[dict]:

@@ -12,6 +12,7 @@ from __future__ import annotations
 import os
 import sys
 import time
+from typing import Any, List, Optional
 
 _KEY = "megatron_rlhf/error"
 
@@ -62,6 +63,26 @@ def should_print_error(message: str, wait_s: float = 20.0) -> bool:
             return True
         time.sleep(0.1)
     return True
+
+
+def from_every_rank(obj: Any) -> List[Any]:
+    """Every rank's `obj`, in rank order (collective over the world; `[obj]` without a process group)."""
+    if "torch.distributed" not in sys.modules:
+        return [obj]
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+        return [obj]
+    gathered = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, obj)
+    return gathered
+
+
+def first_problem(problem: Optional[str]) -> Optional[str]:
+    """The lowest rank's problem (None or "" where a rank has none), on every rank (collective), so that a
+    check that fails on one rank raises the same error on all of them instead of leaving the others waiting
+    in the next collective."""
+    return next((p for p in from_every_rank(problem or None) if p is not None), None)
 
 
 PEER_LOST_EXIT = 75  # a rank's exit code under megatron-rlhf launch when another rank vanished (it says which)

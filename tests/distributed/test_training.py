@@ -74,7 +74,9 @@ def test_distributed_optimizer_resumes_at_another_dp_and_refuses_another_tp(data
     shutil.copytree(split, tp2)
     proc = run_cli("sft", overrides(data, tp2, **distopt, **{"parallel.tp": 2}), nproc=2, check=False)
     lines = [line for line in (proc.stdout + proc.stderr).splitlines() if line.startswith("error:")]
-    assert proc.returncode != 0 and lines and "resumes only at the parallel.tp and parallel.pp" in lines[0], lines
+    assert proc.returncode != 0 and len(lines) == 1, lines
+    assert "resumes only at the parallel.tp and parallel.pp it was saved with (any DP; this run has parallel.tp=2)" \
+        in lines[0] and "resume with parallel.tp=1, or start a new run" in lines[0], lines
     shutil.copytree(split, one)
     run_cli("sft", overrides(data, one, **distopt), nproc=1)
     a, c = losses(straight), losses(one)

@@ -21,6 +21,7 @@ import torch
 
 from megatron_rlhf.algo import masked
 from megatron_rlhf.config.fields import ConfigError, GoldScorer
+from megatron_rlhf.parallel.report import first_problem
 from megatron_rlhf.trainer.ppo.batch import Experience, build_experience
 from megatron_rlhf.rollout.base import SamplingParams
 from megatron_rlhf.trainer.ppo.experience import Frozen, score_and_recompute
@@ -55,11 +56,7 @@ def score_texts(gold: GoldScorer, prompts: List[str], responses: List[str]) -> t
         problem = f"raised {type(e).__name__}: {e}{_failing_prompt(gold, prompts, responses)}"
     else:
         scores, problem = _as_scores(raw, prompts)
-    problems = [problem]
-    if torch.distributed.is_initialized() and torch.distributed.get_world_size() > 1:
-        problems = [None] * torch.distributed.get_world_size()
-        torch.distributed.all_gather_object(problems, problem)
-    first = next((p for p in problems if p is not None), None)
+    first = first_problem(problem)
     if first is not None:
         name = f"{getattr(gold, '__module__', '?')}:{getattr(gold, '__qualname__', gold)}"
         raise ConfigError(f"ppo.gold_scorer ({name}) {first}: it must return one finite number per "

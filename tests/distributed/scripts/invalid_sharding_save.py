@@ -16,22 +16,22 @@ from megatron_rlhf.checkpoint import optim_state
 from megatron_rlhf.checkpoint import state as ckpt
 from megatron_rlhf.parallel import init
 from megatron_rlhf.parallel.layout import ParallelConfig
-from tests.unit.test_optimizer_checkpoint import _objects, _step, _trainable
+from tests.unit.trainables import checkpoint_objects, tiny_trainable, train_once
 
 
 def main(out_dir: str, result: str):
     init.initialize(ParallelConfig(timeout_s=60), seed=1234)  # a hang ends in the watchdog's exit 124
     rank = torch.distributed.get_rank()
-    policy, _ = _trainable("float32", seed=0)
-    value, _ = _trainable("float32", seed=1)
-    _step(policy, 0)
-    _step(value, 1)
+    policy, _ = tiny_trainable("float32", seed=0)
+    value, _ = tiny_trainable("float32", seed=1)
+    train_once(policy, 0)
+    train_once(value, 1)
     root = Path(out_dir)
-    ckpt.save_checkpoint(root, 1, *_objects(policy=policy), {})  # a good one first: `latest` must stay on it
+    ckpt.save_checkpoint(root, 1, *checkpoint_objects(policy=policy), {})  # a good one first: `latest` must stay on it
     optim_state.LAYOUT = {"format": "dp_reshardable", "keys": "shared"}
     start = time.monotonic()
     try:
-        ckpt.save_checkpoint(root, 2, *_objects(policy=policy, value=value), {})
+        ckpt.save_checkpoint(root, 2, *checkpoint_objects(policy=policy, value=value), {})
         error = None
     except ckpt.CheckpointError as e:
         error = str(e)
