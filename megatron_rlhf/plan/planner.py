@@ -102,7 +102,7 @@ def _phase_what(phase: str) -> str:
 def _arch(path: Optional[str], default: ModelConfig) -> ModelConfig:
     """The architecture saved with a checkpoint (reward/value model), or `default` when unknown."""
     if path:
-        from megatron_rlhf.config.schema import read_model_config
+        from megatron_rlhf.config.model_file import read_model_config
 
         try:
             found = read_model_config(path)

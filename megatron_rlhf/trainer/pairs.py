@@ -214,6 +214,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     args = _parse(argv)
     from megatron.core import parallel_state as ps
 
+    from megatron_rlhf.config import model_file
     from megatron_rlhf.config import schema as C
     from megatron_rlhf.data import dataset as D
     from megatron_rlhf.data import tokenizer as T
@@ -222,7 +223,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     from megatron_rlhf.parallel.layout import ParallelConfig, validate_layout
 
     note = sampling_temperature(args)
-    model_cfg = C.read_model_config(args.policy)
+    model_cfg = model_file.read_model_config(args.policy)
     if model_cfg is None:
         raise ckpt.CheckpointError(
             f"--policy {args.policy}: no model_config.json found: pass the checkpoint root of an SFT run"

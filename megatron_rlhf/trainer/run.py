@@ -21,6 +21,7 @@ from typing import Any, Callable, List, Optional, Sequence
 import torch
 
 from megatron_rlhf.config import generation as G
+from megatron_rlhf.config import model_file
 from megatron_rlhf.config import schema as C
 from megatron_rlhf.config import io as config_io
 from megatron_rlhf.data import tokenizer as T
@@ -172,7 +173,7 @@ def record_run(cfg, ctx: RunContext) -> None:
     stages look for them (next to the checkpoints)."""
     if ctx.rank0:
         C.save_resolved(cfg, cfg.logging.run_dir)
-        C.write_model_config(ctx.model_cfg, ctx.ckpt_root)
+        model_file.write_model_config(ctx.model_cfg, ctx.ckpt_root)
         gen = generation_config(cfg, ctx.tokenizer)
         if gen is not None:
             os.makedirs(ctx.ckpt_root, exist_ok=True)

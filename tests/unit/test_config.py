@@ -7,6 +7,7 @@ import shutil
 
 import pytest
 
+from megatron_rlhf.config import model_file
 from megatron_rlhf.config import schema as C
 from megatron_rlhf.config import io as config_io
 from megatron_rlhf.models.spec import ModelConfig
@@ -204,7 +205,7 @@ def test_model_from_checkpoint_model_config(tmp_path, base):
     root = tmp_path / "ckpt"
     step = root / "iter_0000010"
     arch = ModelConfig(num_layers=6, hidden_size=48, ffn_hidden_size=80, num_attention_heads=3, num_query_groups=3, vocab_size=17)
-    C.write_model_config(arch, str(step))
+    model_file.write_model_config(arch, str(step))
     (root / "latest").write_text("iter_0000010\n")
     for load in (root, step):  # the root (following `latest`) or the step directory itself
         cfg = C.load_config(C.SFTConfig, None, base + [f"model.load={load}"])

@@ -9,6 +9,7 @@ from types import SimpleNamespace
 import pytest
 
 from megatron_rlhf.config import generation as G
+from megatron_rlhf.config import model_file
 from megatron_rlhf.config import schema as C
 from megatron_rlhf.models.spec import ModelConfig
 
@@ -28,7 +29,7 @@ def converted(tmp_path: Path, gen=None, name="smol.mg") -> Path:
     """A checkpoint laid out as convert_hf_to_megatron writes it: the architecture next to it, the tokenizer files
     (generation_config.json among them) in tokenizer/."""
     d = tmp_path / name
-    C.write_model_config(ARCH, str(d))
+    model_file.write_model_config(ARCH, str(d))
     if gen is not None:
         write_gen(d / "tokenizer", gen)
     return d
@@ -125,7 +126,7 @@ def test_the_resolved_config_reloads_to_the_same_values(tmp_path, paths):
 
 def test_training_checkpoint_root_step_dir_and_hf_source(tmp_path):
     root = tmp_path / "sft" / "checkpoints"  # an SFT run: model_config.json (+ generation_config.json) in the root
-    C.write_model_config(ARCH, str(root))
+    model_file.write_model_config(ARCH, str(root))
     (root / "step_0000010").mkdir()
     (root / "latest").write_text("step_0000010\n")
     gen = write_gen(root, {"temperature": 0.5})
@@ -133,7 +134,7 @@ def test_training_checkpoint_root_step_dir_and_hf_source(tmp_path):
     assert G.find_generation_config(str(root / "step_0000010")) == str(gen)  # the step's root
     # a directory that is not a checkpoint root is not looked in
     write_gen(tmp_path / "models", {"temperature": 0.3})
-    C.write_model_config(ARCH, str(tmp_path / "models" / "mine"))
+    model_file.write_model_config(ARCH, str(tmp_path / "models" / "mine"))
     assert G.find_generation_config(str(tmp_path / "models" / "mine")) is None
     # a converted checkpoint without the file: the HF directory it came from
     hf = tmp_path / "hf"

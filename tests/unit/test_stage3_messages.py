@@ -5,6 +5,7 @@ ppo.beta=inf is refused as a setting. A world of one rank, in process."""
 import pytest
 
 from megatron_rlhf.checkpoint import state as ckpt
+from megatron_rlhf.config import model_file
 from megatron_rlhf.config import schema as C
 from megatron_rlhf.config.fields import ConfigError
 from megatron_rlhf.trainer.ppo.models import reward_calibration
@@ -81,13 +82,13 @@ def test_a_reward_model_of_another_size_is_refused_in_the_config_check(tmp_path)
     from megatron_rlhf.models.spec import ModelConfig
     from tests.unit.test_checkpoint_damage import CFG
 
-    C.write_model_config(ModelConfig(**{**CFG, "hidden_size": 64, "ffn_hidden_size": 128}), str(tmp_path / "rm"))
+    model_file.write_model_config(ModelConfig(**{**CFG, "hidden_size": 64, "ffn_hidden_size": 128}), str(tmp_path / "rm"))
     cfg = C.PPOConfig()
     for k, v in CFG.items():
         setattr(cfg.model, k, v)
     cfg.ppo.reward_load = str(tmp_path / "rm")
     with pytest.raises(ConfigError) as e:
-        C.check_same_size(cfg, C.read_model_config)  # part of the PPO config check (schema.validate)
+        C.check_same_size(cfg, model_file.read_model_config)  # part of the PPO config check (schema.validate)
     assert str(e.value).startswith(f"ppo.reward_load: the model in {tmp_path / 'rm'} has hidden_size=64, "
                                    "ffn_hidden_size=128 but the policy has hidden_size=32, ffn_hidden_size=64: a "
                                    "reward or value model of another size than the policy is not supported"), e.value
