@@ -108,13 +108,12 @@ def saved_layout(path: Path, optimizers: Dict[str, Any]) -> dict:
         return dict(LAYOUT)
     if isinstance(common.get("optimizer_layout"), dict):
         layout = common["optimizer_layout"]
-        for name, saved in (common.get("optimizer_splits") or {}).items():
+        splits = common.get("optimizer_splits") or {}
+        for name, saved in splits.items():
             problem = resume_problem(saved, split(optimizers[name]), layout) if name in optimizers else None
             if problem:
-                raise CheckpointError(
-                    f"checkpoint {path} cannot resume this run's {name} optimizer: {problem[0]}: resume with "
-                    f"{problem[1]}, or start a new run (another logging.run_dir) from its weights with "
-                    f"model.load={path}")
+                raise CheckpointError(f"checkpoint {path} cannot resume this run's {name} optimizer: {problem[0]}: "
+                                      f"resume with {problem[1]}, or {_new_run_from(path, splits)}")
         return layout
     todo = [common]
     while todo:
@@ -126,6 +125,14 @@ def saved_layout(path: Path, optimizers: Dict[str, Any]) -> dict:
         elif isinstance(node, (list, tuple)):
             todo += list(node)
     return {"format": EARLIER_FORMAT, "keys": "shared"}
+
+
+def _new_run_from(path: Path, models) -> str:
+    """How a new run starts from the weights of a checkpoint holding `models` (names), without its optimizers."""
+    if "value" in models:  # PPO: the reference comes from model.load too
+        return (f"start a new run (another logging.run_dir) from its weights with model.load={path} "
+                f"ppo.value_load={path} (its policy is then also the KL reference)")
+    return f"start a new run (another logging.run_dir) from its weights with model.load={path}"
 
 
 def _inner(optimizer) -> list:

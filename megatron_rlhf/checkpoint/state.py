@@ -28,7 +28,7 @@ import shutil
 import uuid
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Dict, List, Optional, Tuple
+from typing import Any, Dict, List, Optional, Tuple, Union
 
 import torch
 
@@ -391,16 +391,20 @@ def resolve_checkpoint_dir(path: str | os.PathLike, resume: bool = False) -> Pat
 
 
 # The head each model name carries in training checkpoints.
+# A model's name in a checkpoint, or names in order of preference (an RM run starts from an SFT policy or goes on
+# from a reward model).
+Sources = Union[str, Tuple[str, ...]]
 HEAD_OF = {"policy": "lm", "reference": "lm", "reward": "scalar", "value": "scalar"}
 CONVERTED_META = "megatron_rlhf_meta.json"  # written by tools/convert_hf_to_megatron.py
 
 
-def load_model_weights(path: str | os.PathLike, chunks, source_name: str, head: str, skip_head: bool = False,
+def load_model_weights(path: str | os.PathLike, chunks, source_name: Sources, head: str, skip_head: bool = False,
                        dp_group=None, key: Optional[str] = None, tokenizer: Optional[dict] = None) -> None:
     """Initialise `chunks` (a model with `head` "lm"|"scalar") from a checkpoint, without optimizer state.
 
-    `path` is a training checkpoint (root or step directory; the model saved as `source_name` is
-    read) or a converted HF checkpoint (its own key prefix and head are read from its metadata).
+    `path` is a training checkpoint (root or step directory; the model saved as `source_name` is read, or the
+    first one it holds of the names `source_name` gives) or a converted HF checkpoint (its own key prefix and
+    head are read from its metadata).
     When the source has another head (a reward model started from an SFT policy or a causal LM),
     the output layer is left as built: a fresh scalar head. Any TP/PP layout loads any checkpoint.
     `skip_head=True` keeps the built (fresh) output layer even when the source has the same head.
@@ -411,7 +415,7 @@ def load_model_weights(path: str | os.PathLike, chunks, source_name: str, head: 
     """
     from megatron.core import dist_checkpointing
 
-    key = key or KEY_OF.get(source_name, "model.load")
+    key = key or KEY_OF.get(_names(source_name)[0], "model.load")
     step_dir = resolve_checkpoint_dir(path)
     check_tokenizer(step_dir, tokenizer, key)
     prefix, source_head = _source(step_dir, source_name, key)
@@ -424,7 +428,7 @@ def load_model_weights(path: str | os.PathLike, chunks, source_name: str, head: 
     _load_into(chunks, loaded["m"], prefix, strict=not skip_head)
 
 
-def load_model(path: str | os.PathLike, model_cfg, parallel, source_name: str, head: str, *, fp8=None,
+def load_model(path: str | os.PathLike, model_cfg, parallel, source_name: Sources, head: str, *, fp8=None,
                skip_head: bool = False, key: Optional[str] = None, tokenizer: Optional[dict] = None) -> list:
     """`models.build.build_model(model_cfg, parallel, head=head, fp8=fp8)` with its weights from `path`
     (`load_model_weights`, whose arguments the rest are). When the checkpoint writes every weight, none is
@@ -437,18 +441,19 @@ def load_model(path: str | os.PathLike, model_cfg, parallel, source_name: str, h
     return chunks
 
 
-def loads_every_weight(path: str | os.PathLike, source_name: str, head: str, skip_head: bool = False,
+def loads_every_weight(path: str | os.PathLike, source_name: Sources, head: str, skip_head: bool = False,
                        key: Optional[str] = None) -> bool:
     """Whether `load_model_weights` with these arguments writes every weight the built model draws at random:
     all but an LM output layer left as built (a fresh scalar head starts at zero, drawing nothing).
     Reads the checkpoint's metadata only; its errors are `load_model_weights`' own."""
-    key = key or KEY_OF.get(source_name, "model.load")
+    key = key or KEY_OF.get(_names(source_name)[0], "model.load")
     _, source_head = _source(resolve_checkpoint_dir(path), source_name, key)
     return head == "scalar" or not (skip_head or source_head != head)
 
 
-def _source(step_dir: Path, source_name: str, key: str) -> Tuple[str, str]:
-    """(key prefix, head "lm"|"scalar") of the model `source_name` in a training or converted checkpoint."""
+def _source(step_dir: Path, source_name: Sources, key: str) -> Tuple[str, str]:
+    """(key prefix, head "lm"|"scalar") of the model `source_name` in a training or converted checkpoint: the
+    first of the names it gives that the checkpoint holds."""
     if (step_dir / CONVERTED_META).exists():
         try:
             meta = json.loads((step_dir / CONVERTED_META).read_text())
@@ -456,30 +461,36 @@ def _source(step_dir: Path, source_name: str, key: str) -> Tuple[str, str]:
             raise CheckpointError(f"{key}: {step_dir / CONVERTED_META} is not valid JSON ({e})") from None
         prefix, source_head = meta.get("key_prefix", ""), meta.get("head", "lm")
     else:
-        prefix, source_head = f"{source_name}.", HEAD_OF.get(source_name, "lm")
-        _check_holds(step_dir, source_name, key)
+        name = _held_source(step_dir, _names(source_name), key)
+        prefix, source_head = f"{name}.", HEAD_OF.get(name, "lm")
     return prefix, "scalar" if source_head in ("scalar", "score") else "lm"
 
 
-KEY_OF = {"policy": "model.load", "reward": "ppo.reward_load"}  # where each model usually comes from
+def _names(source_name: Sources) -> Tuple[str, ...]:
+    return (source_name,) if isinstance(source_name, str) else tuple(source_name)
+
+
+KEY_OF = {"policy": "model.load", "reward": "ppo.reward_load", "value": "ppo.value_load"}  # where each comes from
 _WHAT = {"policy": "a policy (LM head)", "reference": "a reference policy (LM head)",
          "reward": "a reward model (scalar head)", "value": "a value model (scalar head)"}
 _FROM = {"policy": "an SFT (or PPO/DPO) checkpoint or a converted HF model",
-         "reward": "a reward-model checkpoint (stage 2 output)"}
+         "reward": "a reward-model checkpoint (stage 2 output)", "value": "a PPO checkpoint (its value model)"}
 
 
-def _check_holds(step_dir: Path, source_name: str, key: str) -> None:
-    """The checkpoint holds a model saved as `source_name`; else one line naming `key`, what it holds and
-    what it should point at (not "damaged": the files are fine, the setting points at another kind)."""
+def _held_source(step_dir: Path, wanted: Tuple[str, ...], key: str) -> str:
+    """The first of `wanted` that the checkpoint holds; else one line naming `key`, what it holds and what it
+    should point at (not "damaged": the files are fine, the setting points at another kind)."""
     from torch.distributed.checkpoint import FileSystemReader
 
     try:
         names = {k.split(".")[0] for k in FileSystemReader(str(step_dir)).read_metadata().state_dict_metadata}
     except Exception:  # noqa: BLE001 - unreadable metadata is reported as damage by the load itself
-        return
+        return wanted[0]
+    found = next((n for n in wanted if n in names), None)
     held = sorted(n for n in names if n in _WHAT)
-    if source_name in names or not held:
-        return
+    if found is not None or not held:
+        return found or wanted[0]
     raise CheckpointError(
-        f"{key}: {step_dir} holds {' and '.join(_WHAT[n] for n in held)}, not {_WHAT.get(source_name, source_name)}: "
-        f"point {key} at {_FROM.get(source_name, 'a checkpoint holding one')}")
+        f"{key}: {step_dir} holds {' and '.join(_WHAT[n] for n in held)}, not "
+        f"{' or '.join(_WHAT.get(n, n) for n in wanted)}: point {key} at "
+        f"{' or '.join(_FROM.get(n, 'a checkpoint holding one') for n in wanted)}")

@@ -51,7 +51,8 @@ class PPOSection:
     """PPO: four models (policy, value, frozen reference, frozen reward), rollout -> score -> learn."""
 
     reward_load: Optional[str] = _f(None, "reward model checkpoint (stage 2 output; its reward_calibration is used)")
-    value_load: Optional[str] = _f(None, "value model init checkpoint; null = reward_load")
+    value_load: Optional[str] = _f(None, "value model init checkpoint: a reward model, or a PPO checkpoint "
+                                   "(its value model); null = reward_load")
     value_head: str = _f("rm", "value head: the RM's scalar head, or a fresh zero head", choices=("rm", "fresh"))
     value_lr: Optional[float] = _f(None, "value model lr; null = train.lr")
     value_warmup_iterations: int = _f(0, "first N iterations train only the value model")

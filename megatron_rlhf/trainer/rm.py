@@ -44,7 +44,7 @@ STAGE = Stage(
     head="scalar",
     loss_fn=rm_loss,
     stat_names=["accuracy", "loss", "score_margin"],
-    init_source="policy",
+    init_source=("policy", "reward"),  # model.load: an SFT policy (a fresh head), or a reward model to go on from
     finalize=calibration_pass,
 )
 

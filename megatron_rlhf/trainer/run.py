@@ -119,7 +119,7 @@ def _lock_run_dirs(cfg, rank0: bool) -> None:
         raise C.ConfigError(message[0])
 
 
-def build_frozen(cfg, ctx: RunContext, head: str, load: Optional[str], source_name: str, *,
+def build_frozen(cfg, ctx: RunContext, head: str, load: Optional[str], source_name: ckpt.Sources, *,
                  skip_head: bool = False, key: Optional[str] = None) -> List[torch.nn.Module]:
     """Model chunks in the training layout with weights from `load` (model `source_name` in it; `key`: the
     setting `load` came from, for errors)."""
@@ -129,8 +129,8 @@ def build_frozen(cfg, ctx: RunContext, head: str, load: Optional[str], source_na
                            key=key, tokenizer=expected_tokenizer(cfg, ctx.tokenizer))
 
 
-def build_trainable(cfg, ctx: RunContext, head: str, load: Optional[str], source_name: str, total_steps: int, *,
-                    train_cfg=None, skip_head: bool = False, check_for_nan_in_grad: bool = True,
+def build_trainable(cfg, ctx: RunContext, head: str, load: Optional[str], source_name: ckpt.Sources,
+                    total_steps: int, *, train_cfg=None, skip_head: bool = False, check_for_nan_in_grad: bool = True,
                     key: Optional[str] = None) -> Trainable:
     """Model -> initial weights (`load`, or fresh) -> Megatron DDP -> optimizer + scheduler.
 

@@ -40,6 +40,12 @@ def test_rm_learns_a_known_rule(data, tmp_path):
     evals = [r for r in rows if "eval/accuracy" in r]
     assert evals, rows[-1]
     assert evals[-1]["eval/accuracy"] > 0.85, evals[-1]
+    # A run that goes on from this RM (model.load) starts from its head too, not a fresh one (accuracy ~0.5)
+    more = tmp_path / "rm_more"
+    run_cli("rm", overrides(data, more, "rm", **{"model.load": run / "checkpoints", "train.train_steps": 1,
+                                                 "train.lr": 1e-9, "train.global_batch_size": 16}))
+    again = [r for r in read_jsonl(os.path.join(more, "metrics.jsonl")) if "eval/accuracy" in r]
+    assert abs(again[-1]["eval/accuracy"] - evals[-1]["eval/accuracy"]) < 0.02, (again[-1], evals[-1])
 
 
 # One rank: test_kill_9_during_save_keeps_previous_checkpoint; SFT at TP=2: test_vocab_padding.py.

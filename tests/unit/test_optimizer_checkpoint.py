@@ -68,6 +68,19 @@ def test_switching_the_distributed_optimizer_stops_before_loading(world, tmp_pat
     assert all(torch.equal(p, q) for p, q in zip(before, resumed_model.parameters()))
 
 
+def test_a_ppo_checkpoint_names_how_a_new_run_takes_its_policy_and_value(world, tmp_path):
+    policy, value = tiny_trainable("float32", seed=0), tiny_trainable("float32", seed=1)
+    train_once(policy[0], 0)
+    train_once(value[0], 1)
+    step_dir = ckpt.save_checkpoint(tmp_path, 1, *checkpoint_objects(policy=policy[0], value=value[0]), {})
+    plain = {n: tiny_trainable("float32", seed=2, distributed=False)[0] for n in ("policy", "value")}
+    with pytest.raises(ckpt.CheckpointError) as e:
+        ckpt.load_checkpoint(step_dir, *checkpoint_objects(**plain))
+    assert str(e.value).endswith(
+        f"resume with parallel.use_distributed_optimizer=true, or start a new run (another logging.run_dir) from its "
+        f"weights with model.load={step_dir} ppo.value_load={step_dir} (its policy is then also the KL reference)")
+
+
 def test_two_distributed_optimizers_share_a_checkpoint(world, tmp_path):
     """PPO's policy and value in one checkpoint, each with its distributed optimizer: Megatron keys both
     optimizers' shards alike, so without the model's name in front of its optimizer's keys the save failed

@@ -1,7 +1,8 @@
 """The four PPO models and the reward normalisation, built in the training layout.
 
     policy     trained  (DDP + optimizer)  from model.load (the SFT checkpoint)
-    value      trained  (DDP + optimizer)  from ppo.value_load (default: the RM), RM head or a fresh one;
+    value      trained  (DDP + optimizer)  from ppo.value_load (a reward model, or a PPO checkpoint's value
+                                           model; default: the RM), its head or a fresh one;
                                            not built at all by the critic-free estimators (grpo, rloo, remax)
     reference  frozen   (no DDP, no grad)  from model.load; with ppo.reference_mode=swap, host copies of
                                            the policy's initial weights swapped into it (reference_swap.py)
@@ -107,7 +108,8 @@ def build_ppo_models(cfg, ctx: RunContext, total_steps: int) -> PPOModels:
     swapped = HostReference(policy.chunks) if p.reference_mode == "swap" else None
     value = None
     if not critic_free(p):
-        value = build_trainable(cfg, ctx, "scalar", p.value_load or p.reward_load, "reward", total_steps,
+        source = ("value", "reward") if p.value_load else "reward"  # a PPO run's critic, or a reward model
+        value = build_trainable(cfg, ctx, "scalar", p.value_load or p.reward_load, source, total_steps,
                                 train_cfg=with_lr(cfg.train, p.value_lr), skip_head=p.value_head == "fresh",
                                 check_for_nan_in_grad=False, key="ppo.value_load" if p.value_load else "ppo.reward_load")
     if p.inference_tp is None:
