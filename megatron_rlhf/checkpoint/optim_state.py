@@ -129,9 +129,9 @@ def saved_layout(path: Path, optimizers: Dict[str, Any]) -> dict:
 
 def _new_run_from(path: Path, models) -> str:
     """How a new run starts from the weights of a checkpoint holding `models` (names), without its optimizers."""
-    if "value" in models:  # PPO: the reference comes from model.load too
+    if "value" in models:  # PPO: without ppo.reference_load the reference would be this policy (model.load)
         return (f"start a new run (another logging.run_dir) from its weights with model.load={path} "
-                f"ppo.value_load={path} (its policy is then also the KL reference)")
+                f"ppo.value_load={path} ppo.reference_load=<the SFT checkpoint it started from>")
     return f"start a new run (another logging.run_dir) from its weights with model.load={path}"
 
 

@@ -53,6 +53,8 @@ class PPOSection:
     reward_load: Optional[str] = _f(None, "reward model checkpoint (stage 2 output; its reward_calibration is used)")
     value_load: Optional[str] = _f(None, "value model init checkpoint: a reward model, or a PPO checkpoint "
                                    "(its value model); null = reward_load")
+    reference_load: Optional[str] = _f(None, "frozen reference (the KL anchor) checkpoint; null = model.load. A run "
+                                       "that starts its policy from a PPO checkpoint keeps its SFT reference with it")
     value_head: str = _f("rm", "value head: the RM's scalar head, or a fresh zero head", choices=("rm", "fresh"))
     value_lr: Optional[float] = _f(None, "value model lr; null = train.lr")
     value_warmup_iterations: int = _f(0, "first N iterations train only the value model")
@@ -121,6 +123,9 @@ def validate_ppo(cfg) -> None:
         v = getattr(p, name)
         require(v >= 1, f"ppo.{name}={v} must be >= 1")
     validate_siblings(cfg)
+    require(p.reference_load is None or p.reference_mode == "separate",
+            f"ppo.reference_load with ppo.reference_mode={p.reference_mode}: the swapped reference is the policy's "
+            "initial weights (model.load); set ppo.reference_mode=separate or remove ppo.reference_load")
     require(p.temperature > 0, f"ppo.temperature={p.temperature} must be > 0")
     require(p.top_k >= 0, f"ppo.top_k={p.top_k} must be >= 0 (0: off)")
     require(0 < p.top_p <= 1, f"ppo.top_p={p.top_p} must be in (0, 1] (1: off)")
@@ -156,6 +161,11 @@ def validate_ppo(cfg) -> None:
 def critic_free(p) -> bool:
     """True for the estimators without a value model (grpo, rloo, remax)."""
     return p.advantage_estimator != "gae"
+
+
+def reference_source(cfg) -> tuple:
+    """(checkpoint, setting) the frozen reference comes from: ppo.reference_load, else the policy's model.load."""
+    return (cfg.ppo.reference_load, "ppo.reference_load") if cfg.ppo.reference_load else (cfg.model.load, "model.load")
 
 
 def rollouts_per_iteration(p) -> int:
@@ -198,7 +208,7 @@ def check_same_size(cfg, read_model_config) -> None:
     models, and the planner counts them so): a checkpoint of another size is refused here, before any work,
     instead of a shape mismatch at load. `read_model_config`: schema's reader of a checkpoint's architecture."""
     policy = {f: getattr(cfg.model, f) for f in _SIZE}
-    for key in ("reward_load", "value_load"):
+    for key in ("reward_load", "value_load", "reference_load"):
         path = getattr(cfg.ppo, key)
         arch = read_model_config(path) if path and paths_exist(path) else None
         if arch is None:
@@ -208,8 +218,9 @@ def check_same_size(cfg, read_model_config) -> None:
         if diff:
             raise ConfigError(
                 f"ppo.{key}: the model in {path} has {', '.join(f'{f}={theirs[f]}' for f in diff)} but the policy has "
-                f"{', '.join(f'{f}={policy[f]}' for f in diff)}: a reward or value model of another size than the "
-                "policy is not supported; train the reward model from the SFT checkpoint (stage 2, model.load)")
+                f"{', '.join(f'{f}={policy[f]}' for f in diff)}: a reference, reward or value model of another size "
+                "than the policy is not supported; train the reward model from the SFT checkpoint (stage 2, "
+                "model.load)")
 
 
 def check_ppo_layout(cfg, dp_size: int) -> None:

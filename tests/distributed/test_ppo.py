@@ -103,6 +103,17 @@ def test_exact_resume_and_tp2_match_dp2(base, tmp_path):
     assert a[2]["ppo/kl_per_seq"] == 0.0  # ...so iteration 2 still samples from the SFT policy
     assert a[3]["ppo/kl_per_seq"] > 0  # then the policy moved
 
+    # A new run from this one's weights (new data or settings): policy and critic from its checkpoint, the KL
+    # anchored on the SFT policy (ppo.reference_load); without it the reference would be this policy (KL 0).
+    more = tmp_path / "more"
+    torchrun(CLI, *ppo_args(base, more, **{
+        "model.load": straight / "checkpoints", "ppo.value_load": straight / "checkpoints",
+        "ppo.reference_load": base / "sft" / "checkpoints", "ppo.iterations": 1, "ppo.eval_interval": 0,
+        "ppo.export_hf": "false"}), nproc=2, timeout=600)
+    c = rows(more)[1]
+    assert c["ppo/kl_per_seq"] > 0, c
+    assert c["ppo/value_loss"] < a[1]["ppo/value_loss"], (c, a[1])  # the trained critic, not the RM's head
+
     torchrun(CLI, *ppo_args(base, tp2, **warm, **{"parallel.tp": 2}), nproc=2, timeout=600)
     assert_same_metrics(a, rows(tp2))
     # PP=2 trains while generating at TP=1 x DP=2 (rollout/hybrid.py swaps the weights every rollout) and

@@ -78,7 +78,8 @@ def test_a_ppo_checkpoint_names_how_a_new_run_takes_its_policy_and_value(world, 
         ckpt.load_checkpoint(step_dir, *checkpoint_objects(**plain))
     assert str(e.value).endswith(
         f"resume with parallel.use_distributed_optimizer=true, or start a new run (another logging.run_dir) from its "
-        f"weights with model.load={step_dir} ppo.value_load={step_dir} (its policy is then also the KL reference)")
+        f"weights with model.load={step_dir} ppo.value_load={step_dir} ppo.reference_load=<the SFT checkpoint it "
+        "started from>")
 
 
 def test_two_distributed_optimizers_share_a_checkpoint(world, tmp_path):

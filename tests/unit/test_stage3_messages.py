@@ -91,7 +91,8 @@ def test_a_reward_model_of_another_size_is_refused_in_the_config_check(tmp_path)
         C.check_same_size(cfg, model_file.read_model_config)  # part of the PPO config check (schema.validate)
     assert str(e.value).startswith(f"ppo.reward_load: the model in {tmp_path / 'rm'} has hidden_size=64, "
                                    "ffn_hidden_size=128 but the policy has hidden_size=32, ffn_hidden_size=64: a "
-                                   "reward or value model of another size than the policy is not supported"), e.value
+                                   "reference, reward or value model of another size than the policy is not "
+                                   "supported"), e.value
 
 
 def test_dpo_pairs_that_differ_only_in_whitespace_are_bad_rows(tmp_path):
@@ -108,3 +109,34 @@ def test_dpo_pairs_that_differ_only_in_whitespace_are_bad_rows(tmp_path):
     data = C.DataConfig(max_seq_len=24, max_bad_fraction=1.0)
     ds, report = D.load_examples("preference", data, tok, str(tmp_path / "p.jsonl"), log=None)
     assert len(ds) == 1 and report.bad == {"chosen equals rejected once tokenized": 1}, report.bad
+
+
+def test_a_reference_load_with_the_swapped_reference_is_refused():
+    from megatron_rlhf.config.ppo import reference_source, validate_ppo
+
+    cfg = C.PPOConfig()
+    cfg.ppo.reward_load, cfg.model.load = "rm", "ppo/checkpoints"
+    cfg.model.max_position_embeddings = 1024  # room for the default prompt and response lengths
+    assert reference_source(cfg) == ("ppo/checkpoints", "model.load")
+    cfg.ppo.reference_load = "sft"
+    assert reference_source(cfg) == ("sft", "ppo.reference_load")
+    validate_ppo(cfg)
+    cfg.ppo.reference_mode = "swap"
+    with pytest.raises(ConfigError, match=r"^ppo.reference_load with ppo.reference_mode=swap: the swapped reference "
+                                          r"is the policy's initial weights \(model.load\); set "
+                                          r"ppo.reference_mode=separate or remove ppo.reference_load$"):
+        validate_ppo(cfg)
+
+
+def test_a_reference_of_another_size_is_refused_in_the_config_check(tmp_path):
+    from megatron_rlhf.models.spec import ModelConfig
+    from tests.unit.test_checkpoint_damage import CFG
+
+    model_file.write_model_config(ModelConfig(**{**CFG, "num_layers": 4}), str(tmp_path / "sft"))
+    cfg = C.PPOConfig()
+    for k, v in CFG.items():
+        setattr(cfg.model, k, v)
+    cfg.ppo.reference_load = str(tmp_path / "sft")
+    with pytest.raises(ConfigError, match=r"^ppo.reference_load: the model in .* has num_layers=4 but the policy has "
+                                          r"num_layers=2: a reference, reward or value model of another size"):
+        C.check_same_size(cfg, model_file.read_model_config)

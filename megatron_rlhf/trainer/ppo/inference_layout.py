@@ -11,10 +11,11 @@ sees the same [b, T] log-probs and [b] scores as from a training-layout model.
 
 from __future__ import annotations
 
-from typing import Dict, List
+from typing import Dict, List, Optional
 
 import torch
 
+from megatron_rlhf.config.ppo import reference_source
 from megatron_rlhf.models.logit_rows import logits_at
 from megatron_rlhf.models.logprobs import token_logprobs
 from megatron_rlhf.parallel.device import on_device_of
@@ -78,16 +79,18 @@ def _concat_rows(parts: List[Dict[str, torch.Tensor]]) -> Dict[str, torch.Tensor
 
 
 def build_inference_model(cfg, model_cfg, layout: Layout, head: str, load: str, source_name: str,
-                          temperature: float, tokenizer=None) -> InferenceModel:
+                          temperature: float, tokenizer=None, key: Optional[str] = None) -> InferenceModel:
     """A frozen model in `layout` with the weights of checkpoint `load` (collective), read straight into
     that layout: dist_checkpointing reshards at load, given the layout's own DP group for replica ids.
     The vocabulary keeps the training TP's padding (`build_in_layout`), so its global shape is the one
-    the training layout loads. `tokenizer`: the fingerprint the checkpoint must match (None: no check)."""
+    the training layout loads. `tokenizer`: the fingerprint the checkpoint must match (None: no check); `key`: the
+    setting `load` came from, for errors."""
     from megatron_rlhf.checkpoint import state as ckpt
 
     model = build_in_layout(model_cfg, cfg.parallel.tp, layout, head=head,
-                            initialise=not ckpt.loads_every_weight(load, source_name, head))
-    ckpt.load_model_weights(load, [model], source_name, head, dp_group=layout.pg_collection.dp, tokenizer=tokenizer)
+                            initialise=not ckpt.loads_every_weight(load, source_name, head, key=key))
+    ckpt.load_model_weights(load, [model], source_name, head, dp_group=layout.pg_collection.dp, key=key,
+                            tokenizer=tokenizer)
     for p in model.parameters():
         p.requires_grad_(False)
     return InferenceModel(model, layout, head, model_cfg.vocab_size, temperature)
@@ -100,6 +103,7 @@ def build_frozen_pair(cfg, model_cfg, with_reference: bool = True, tokenizer=Non
 
     layout = tp_only_layout(cfg.ppo.inference_tp)
     t = cfg.ppo.temperature
-    reference = (build_inference_model(cfg, model_cfg, layout, "lm", cfg.model.load, "policy", t, tokenizer)
+    load, key = reference_source(cfg)
+    reference = (build_inference_model(cfg, model_cfg, layout, "lm", load, "policy", t, tokenizer, key=key)
                  if with_reference else None)
     return reference, build_inference_model(cfg, model_cfg, layout, "scalar", cfg.ppo.reward_load, "reward", t, tokenizer)

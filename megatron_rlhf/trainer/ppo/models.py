@@ -4,8 +4,9 @@
     value      trained  (DDP + optimizer)  from ppo.value_load (a reward model, or a PPO checkpoint's value
                                            model; default: the RM), its head or a fresh one;
                                            not built at all by the critic-free estimators (grpo, rloo, remax)
-    reference  frozen   (no DDP, no grad)  from model.load; with ppo.reference_mode=swap, host copies of
-                                           the policy's initial weights swapped into it (reference_swap.py)
+    reference  frozen   (no DDP, no grad)  from ppo.reference_load (default: model.load); with
+                                           ppo.reference_mode=swap, host copies of the policy's initial
+                                           weights swapped into it (reference_swap.py)
     reward     frozen   (no DDP, no grad)  from ppo.reward_load; its checkpoint's reward_calibration
 
 Frozen models get `requires_grad=False` and, on GPU with `ppo.offload_frozen`, live in host memory
@@ -22,7 +23,7 @@ from typing import Dict, Iterator, List, Optional, Union
 import torch
 
 from megatron_rlhf.checkpoint import state as ckpt
-from megatron_rlhf.config.ppo import critic_free
+from megatron_rlhf.config.ppo import critic_free, reference_source
 from megatron_rlhf.parallel.device import compute_device
 from megatron_rlhf.trainer.ppo.reference_swap import HostReference
 from megatron_rlhf.trainer.run import RunContext, Trainable, build_frozen, build_trainable, expected_tokenizer, with_lr
@@ -113,7 +114,8 @@ def build_ppo_models(cfg, ctx: RunContext, total_steps: int) -> PPOModels:
                                 train_cfg=with_lr(cfg.train, p.value_lr), skip_head=p.value_head == "fresh",
                                 check_for_nan_in_grad=False, key="ppo.value_load" if p.value_load else "ppo.reward_load")
     if p.inference_tp is None:
-        reference = swapped if swapped is not None else freeze(build_frozen(cfg, ctx, "lm", cfg.model.load, "policy"))
+        load, key = reference_source(cfg)
+        reference = swapped if swapped is not None else freeze(build_frozen(cfg, ctx, "lm", load, "policy", key=key))
         reward = freeze(build_frozen(cfg, ctx, "scalar", p.reward_load, "reward"))
     else:  # their own layout, TP = ppo.inference_tp and PP = 1 (trainer/ppo/inference_layout.py)
         from megatron_rlhf.trainer.ppo.inference_layout import build_frozen_pair
