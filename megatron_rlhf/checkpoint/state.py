@@ -275,11 +275,15 @@ def _latest_name(root: Path) -> Optional[str]:
 
 
 def _fault_point(name: str, step: int) -> None:
-    """Test hook: MEGATRON_RLHF_CRASH_AT=<name>:<step> kills this process there, as kill -9 would."""
-    if os.environ.get("MEGATRON_RLHF_CRASH_AT") == f"{name}:{step}":
-        import signal
+    """Test hooks: MEGATRON_RLHF_CRASH_AT=<name>:<step> kills this process there, as kill -9 would;
+    MEGATRON_RLHF_STOP_AT=<name>:<step>[:<rank>] sends it SIGTERM there (on that rank only, if given), as a
+    preemption at that moment would."""
+    import signal
 
+    if os.environ.get("MEGATRON_RLHF_CRASH_AT") == f"{name}:{step}":
         os.kill(os.getpid(), signal.SIGKILL)
+    if os.environ.get("MEGATRON_RLHF_STOP_AT") in (f"{name}:{step}", f"{name}:{step}:{_rank()}"):
+        os.kill(os.getpid(), signal.SIGTERM)
 
 
 def _write_latest(root: Path, name: str) -> None:
@@ -390,10 +394,10 @@ def resolve_checkpoint_dir(path: str | os.PathLike, resume: bool = False) -> Pat
     )
 
 
-# The head each model name carries in training checkpoints.
 # A model's name in a checkpoint, or names in order of preference (an RM run starts from an SFT policy or goes on
 # from a reward model).
 Sources = Union[str, Tuple[str, ...]]
+# The head each model name carries in training checkpoints.
 HEAD_OF = {"policy": "lm", "reference": "lm", "reward": "scalar", "value": "scalar"}
 CONVERTED_META = "megatron_rlhf_meta.json"  # written by tools/convert_hf_to_megatron.py
 

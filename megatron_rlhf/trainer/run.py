@@ -217,22 +217,26 @@ class StopFlag:
 
 def save_or_stop(cfg, step: int, stop: StopFlag, save: Callable[[int], None], metrics, log, unit: str = "step") -> str:
     """After a step: on a stop request on any rank, save, close and return "stopped" (the caller returns);
-    else save when `checkpoint.save_interval` is due ("saved"); else "". Collective."""
+    else save when `checkpoint.save_interval` is due ("saved"; "stopped" when a stop came during that save: the
+    checkpoint just written is the stop's, and a preempted job spends no more step and save of its grace time);
+    else "". Collective."""
     if stop.any_rank():
         save(step)
-        if log:
-            log(f"stop requested: saved checkpoint at {unit} {step}, exiting")
-            note = os.environ.get("STOPPED_FILE")  # slurm/node.sh requeues the job only after such a note
-            if note:
-                with open(note, "w") as fh:
-                    fh.write(f"{unit} {step}\n")
-        metrics.close()
-        init.destroy()
-        return "stopped"
-    if cfg.checkpoint.save_interval and step % cfg.checkpoint.save_interval == 0:
+    elif cfg.checkpoint.save_interval and step % cfg.checkpoint.save_interval == 0:
         save(step)
-        return "saved"
-    return ""
+        if not stop.any_rank():
+            return "saved"
+    else:
+        return ""
+    if log:
+        log(f"stop requested: saved checkpoint at {unit} {step}, exiting")
+        note = os.environ.get("STOPPED_FILE")  # slurm/node.sh requeues the job only after such a note
+        if note:
+            with open(note, "w") as fh:
+                fh.write(f"{unit} {step}\n")
+    metrics.close()
+    init.destroy()
+    return "stopped"
 
 
 def open_metrics(cfg, ctx: RunContext, total_steps: int, start_step: int,

@@ -109,6 +109,18 @@ def test_kill_9_during_save_keeps_previous_checkpoint(data, tmp_path):
     assert sorted(p.name for p in ckpts.glob("step_*")) == ["step_00000004", "step_00000006"]  # keep_last=2
 
 
+def test_a_stop_during_a_periodic_save_ends_at_that_step(data, tmp_path):
+    """SIGTERM to rank 1 while step 2's interval save writes: both ranks exit 0 at step 2 (the checkpoint just
+    written is the stop's; no further step and save of a preempted job's grace time), and a rerun goes on."""
+    run = tmp_path / "run"
+    proc = run_cli("sft", overrides(data, run), nproc=2, env={"MEGATRON_RLHF_STOP_AT": "after_shards:2:1"})
+    assert (run / "checkpoints" / "latest").read_text().strip() == "step_00000002"
+    assert sorted(losses(run)) == [1, 2]
+    assert proc.stdout.count("stop requested: saved checkpoint at step 2, exiting") == 1, proc.stdout[-3000:]
+    proc = run_cli("sft", overrides(data, run), nproc=2)
+    assert "step_00000002 at step 2" in proc.stdout and sorted(losses(run)) == [1, 2, 3, 4, 5, 6]
+
+
 def test_sigterm_saves_and_exits_zero_then_resumes(data, tmp_path):
     run = tmp_path / "preempted"
     args = overrides(data, run, **{"train.train_steps": 100000, "checkpoint.save_interval": 0})
