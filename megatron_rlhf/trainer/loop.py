@@ -8,7 +8,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable, Dict, List, Optional, Tuple, Union
+from typing import Callable, Dict, List, Optional
 
 import torch
 
@@ -36,8 +36,8 @@ class Stage:
     loss_fn: LossFn
     stat_names: List[str]
     model_kwargs: Optional[Callable[[dict], dict]] = None
-    # Model name to read from `model.load` checkpoints, or names in order of preference (checkpoint/state.py Sources)
-    init_source: Union[str, Tuple[str, ...]] = "policy"
+    # Model name to read from `model.load` checkpoints, or names in order of preference
+    init_source: ckpt.Sources = "policy"
     # After the last step: extra state for the final checkpoint (e.g. reward calibration), also
     # written to <run_dir>/<key>.json. Called as finalize(cfg, chunks, tokenizer, dp_rank, dp_size, log).
     finalize: Optional[Callable[..., Dict[str, dict]]] = None
