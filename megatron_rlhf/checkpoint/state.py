@@ -28,7 +28,7 @@ import shutil
 import uuid
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Dict, List, Optional, Tuple, Union
+from typing import Any, Callable, Dict, List, Optional, Tuple, Union
 
 import torch
 
@@ -404,7 +404,30 @@ CONVERTED_META = "megatron_rlhf_meta.json"  # written by tools/convert_hf_to_meg
 
 def load_model_weights(path: str | os.PathLike, chunks, source_name: Sources, head: str, skip_head: bool = False,
                        dp_group=None, key: Optional[str] = None, tokenizer: Optional[dict] = None) -> None:
-    """Initialise `chunks` (a model with `head` "lm"|"scalar") from a checkpoint, without optimizer state.
+    """Initialise `chunks` (a model with `head` "lm"|"scalar") from a checkpoint, without optimizer state
+    (`load_built` with chunks already built; its arguments are this one's)."""
+    load_built(path, lambda initialise: chunks, source_name, head, skip_head=skip_head, dp_group=dp_group, key=key,
+               tokenizer=tokenizer)
+
+
+def load_model(path: str | os.PathLike, model_cfg, parallel, source_name: Sources, head: str, *, fp8=None,
+               skip_head: bool = False, key: Optional[str] = None, tokenizer: Optional[dict] = None) -> list:
+    """`models.build.build_model(model_cfg, parallel, head=head, fp8=fp8)` with its weights from `path`
+    (`load_built`, whose arguments the rest are)."""
+    from megatron_rlhf.models.build import build_model
+
+    return load_built(path, lambda initialise: build_model(model_cfg, parallel, head=head, fp8=fp8,
+                                                            initialise=initialise),
+                      source_name, head, skip_head=skip_head, key=key, tokenizer=tokenizer)
+
+
+def load_built(path: str | os.PathLike, build: Callable[[bool], list], source_name: Sources, head: str, *,
+               skip_head: bool = False, dp_group=None, key: Optional[str] = None,
+               tokenizer: Optional[dict] = None) -> list:
+    """`build(initialise)`'s model chunks (a model with `head` "lm"|"scalar") with weights from a checkpoint,
+    without optimizer state. The checkpoint is checked before anything is built, and `initialise` is False
+    when it writes every weight the model would draw at random (all but an LM output layer left as built; a
+    fresh scalar head starts at zero, drawing nothing).
 
     `path` is a training checkpoint (root or step directory; the model saved as `source_name` is read, or the
     first one it holds of the names `source_name` gives) or a converted HF checkpoint (its own key prefix and
@@ -424,35 +447,14 @@ def load_model_weights(path: str | os.PathLike, chunks, source_name: Sources, he
     check_tokenizer(step_dir, tokenizer, key)
     prefix, source_head = _source(step_dir, source_name, key)
     skip_head = skip_head or source_head != head
+    chunks = build(head != "scalar" and skip_head)  # an LM head left as built is all that is drawn at random
     template = _model_state(chunks, prefix, exclude="output_layer" if skip_head else None, dp_group=dp_group)
     try:
         loaded = dist_checkpointing.load({"m": template}, str(step_dir))
     except _load_failures() as e:
         raise CheckpointError(f"{key}: {unusable_checkpoint_message(step_dir, e, resume=False)}") from e
     _load_into(chunks, loaded["m"], prefix, strict=not skip_head)
-
-
-def load_model(path: str | os.PathLike, model_cfg, parallel, source_name: Sources, head: str, *, fp8=None,
-               skip_head: bool = False, key: Optional[str] = None, tokenizer: Optional[dict] = None) -> list:
-    """`models.build.build_model(model_cfg, parallel, head=head, fp8=fp8)` with its weights from `path`
-    (`load_model_weights`, whose arguments the rest are). When the checkpoint writes every weight, none is
-    drawn at random first."""
-    from megatron_rlhf.models.build import build_model
-
-    whole = loads_every_weight(path, source_name, head, skip_head, key)
-    chunks = build_model(model_cfg, parallel, head=head, fp8=fp8, initialise=not whole)
-    load_model_weights(path, chunks, source_name, head, skip_head=skip_head, key=key, tokenizer=tokenizer)
     return chunks
-
-
-def loads_every_weight(path: str | os.PathLike, source_name: Sources, head: str, skip_head: bool = False,
-                       key: Optional[str] = None) -> bool:
-    """Whether `load_model_weights` with these arguments writes every weight the built model draws at random:
-    all but an LM output layer left as built (a fresh scalar head starts at zero, drawing nothing).
-    Reads the checkpoint's metadata only; its errors are `load_model_weights`' own."""
-    key = key or KEY_OF.get(_names(source_name)[0], "model.load")
-    _, source_head = _source(resolve_checkpoint_dir(path), source_name, key)
-    return head == "scalar" or not (skip_head or source_head != head)
 
 
 def _source(step_dir: Path, source_name: Sources, key: str) -> Tuple[str, str]:

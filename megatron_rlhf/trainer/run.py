@@ -30,6 +30,7 @@ from megatron_rlhf.checkpoint import state as ckpt
 from megatron_rlhf.models.build import build_model
 from megatron_rlhf.parallel import cpu, init, lifetime
 from megatron_rlhf.parallel.layout import validate_layout
+from megatron_rlhf.parallel.report import first_problem
 from megatron_rlhf.trainer.optim import build_optimizer, wrap_ddp
 from megatron_rlhf.trainer.preflight import check_run_dirs
 
@@ -112,11 +113,9 @@ def _lock_run_dirs(cfg, rank0: bool) -> None:
         busy = run_dir.lock_dir(cfg.logging.run_dir, "logging.run_dir")
         if busy is None and cfg.checkpoint.dir:
             busy = run_dir.lock_dir(cfg.checkpoint.dir, "checkpoint.dir")
-    message = [busy]
-    if torch.distributed.get_world_size() > 1:
-        torch.distributed.broadcast_object_list(message, src=0)
-    if message[0]:
-        raise C.ConfigError(message[0])
+    busy = first_problem(busy)
+    if busy:
+        raise C.ConfigError(busy)
 
 
 def build_frozen(cfg, ctx: RunContext, head: str, load: Optional[str], source_name: ckpt.Sources, *,

@@ -1,9 +1,9 @@
 """Checkpoints record a fingerprint of their tokenizer, and whatever loads one with another tokenizer is refused in
-one line naming both directories (issue 22, item 6): a permuted vocabulary of the right size and a smaller one
-whose ids shift are both caught; tokenizer.allow_swap=true lets a deliberate swap through; checkpoints without a
-fingerprint (older ones, converted HF ones) load as before. A tokenizer without EOS is refused for PPO, and one
-that cannot encode the data is blamed as `tokenizer.path`, not as malformed rows (item 14). A world of one rank,
-in process."""
+one line naming both directories, before anything is built (issue 22, item 6): a permuted vocabulary of the right
+size and a smaller one whose ids shift are both caught; tokenizer.allow_swap=true lets a deliberate swap through;
+checkpoints without a fingerprint (older ones, converted HF ones) load as before. A tokenizer without EOS is refused
+for PPO, and one that cannot encode the data is blamed as `tokenizer.path`, not as malformed rows (item 14). A world
+of one rank, in process."""
 
 import json
 import shutil
@@ -57,9 +57,13 @@ def sft(world, tokenizers, tmp_path_factory):
 @pytest.mark.parametrize("other, differ", [("permuted", "both have 17 tokens, mapped to other ids"),
                                            ("smaller", "17 tokens there, 16 here")])
 def test_a_checkpoint_refuses_another_tokenizer_naming_both(sft, tokenizers, other, differ):
+    """...before the model is built (`load_built` checks the checkpoint first)."""
     tiny, tok = tokenizers["tiny"].name_or_path, tokenizers[other].name_or_path
+    built = []
     with pytest.raises(ckpt.CheckpointError) as e:
-        ckpt.load_model_weights(sft, _models()["policy"], "policy", "lm", tokenizer=T.fingerprint(tokenizers[other]))
+        ckpt.load_built(sft, lambda initialise: built.append(initialise) or _models()["policy"], "policy", "lm",
+                        tokenizer=T.fingerprint(tokenizers[other]))
+    assert built == []
     assert str(e.value) == (
         f"model.load: {sft / 'step_00000002'} was trained with the tokenizer in '{tiny}', and tokenizer.path "
         f"'{tok}' is another one ({differ}): the model would read token ids that mean other words; set "

@@ -87,10 +87,10 @@ def build_inference_model(cfg, model_cfg, layout: Layout, head: str, load: str, 
     setting `load` came from, for errors."""
     from megatron_rlhf.checkpoint import state as ckpt
 
-    model = build_in_layout(model_cfg, cfg.parallel.tp, layout, head=head,
-                            initialise=not ckpt.loads_every_weight(load, source_name, head, key=key))
-    ckpt.load_model_weights(load, [model], source_name, head, dp_group=layout.pg_collection.dp, key=key,
-                            tokenizer=tokenizer)
+    [model] = ckpt.load_built(
+        load, lambda initialise: [build_in_layout(model_cfg, cfg.parallel.tp, layout, head=head,
+                                                  initialise=initialise)],
+        source_name, head, dp_group=layout.pg_collection.dp, key=key, tokenizer=tokenizer)
     for p in model.parameters():
         p.requires_grad_(False)
     return InferenceModel(model, layout, head, model_cfg.vocab_size, temperature)
