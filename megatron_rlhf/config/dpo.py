@@ -54,10 +54,16 @@ def validate_dpo(cfg) -> None:
         return
     p = d.eval_prompts_path
     require(os.path.exists(p) or bool(glob.glob(p)), f"dpo.eval_prompts_path: '{p}' not found (no file or glob match)")
-    require(cfg.parallel.pp == 1 and cfg.parallel.cp == 1 and not cfg.parallel.sequence_parallel,
-            "dpo.eval_prompts_path samples with the Megatron sampler, which needs parallel.pp=1, cp=1 and no "
-            "sequence_parallel: set dpo.eval_prompts_path=null for this layout")
+    check_dpo_layout(cfg)
     prompt_budget = cfg.data.max_prompt_len or cfg.data.max_seq_len
     require(prompt_budget + d.max_new_tokens <= cfg.model.max_position_embeddings,
             f"data.max_prompt_len (or data.max_seq_len) {prompt_budget} + dpo.max_new_tokens {d.max_new_tokens} "
             f"exceeds model.max_position_embeddings={cfg.model.max_position_embeddings}: lower one of them")
+
+
+def check_dpo_layout(cfg) -> None:
+    """What the DPO stage needs of the parallel layout beyond every stage's checks (also the planner's)."""
+    require(cfg.dpo.eval_prompts_path is None or (
+        cfg.parallel.pp == 1 and cfg.parallel.cp == 1 and not cfg.parallel.sequence_parallel),
+        "dpo.eval_prompts_path samples with the Megatron sampler, which needs parallel.pp=1, cp=1 and no "
+        "sequence_parallel: set dpo.eval_prompts_path=null for this layout")

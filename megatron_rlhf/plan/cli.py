@@ -18,7 +18,7 @@ from typing import Optional, Sequence
 
 from megatron_rlhf.plan.planner import GIB, Cluster, Plan, plan_stage
 
-STAGES = ("sft", "rm", "ppo")
+STAGES = ("sft", "rm", "dpo", "ppo")
 
 
 def load_for_plan(stage: str, yaml_path: Optional[str], overrides: Sequence[str]):
@@ -28,7 +28,7 @@ def load_for_plan(stage: str, yaml_path: Optional[str], overrides: Sequence[str]
     from megatron_rlhf.config import schema as C
     from megatron_rlhf.config import io as config_io
 
-    cls = {"sft": C.SFTConfig, "rm": C.RMConfig, "ppo": C.PPOConfig}[stage]
+    cls = {"sft": C.SFTConfig, "rm": C.RMConfig, "dpo": C.DPOConfig, "ppo": C.PPOConfig}[stage]
     cfg, explicit = config_io.structured(cls, yaml_path, overrides)
     m = cfg.model
     if m.hf_config and not os.path.exists(m.hf_config):
@@ -57,7 +57,7 @@ def format_plan(plan: Plan) -> str:
              f"{'model':<10} {'layout':<18} {'params/GPU':>13} {'weights':>7} {'grads':>7} {'optim':>7} "
              f"{'activ.':>7} {'KV':>7}"]
     for m in plan.models:
-        flag = "" if m.resident else "  (host memory between uses)"
+        flag = "" if m.resident else f"  ({m.away})"
         lines.append(f"{m.name:<10} {m.layout:<18} {m.params_per_gpu:>13,} {_gib(m.weights)} {_gib(m.gradients)} "
                      f"{_gib(m.optimizer)} {_gib(m.activations)} {_gib(m.kv_cache + m.generation_weights)}{flag}")
     phases = ", ".join(f"{k} {v / GIB:.1f}" for k, v in plan.phases.items())
@@ -77,7 +77,8 @@ def _parse(argv: Sequence[str]) -> argparse.Namespace:
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("config", help="the stage's YAML config (a recipe)")
     p.add_argument("overrides", nargs="*", help="dotted key=value overrides, as for the stage")
-    p.add_argument("--stage", choices=STAGES, default=None, help="default: ppo when the YAML has a ppo group, else sft")
+    p.add_argument("--stage", choices=STAGES, default=None,
+                   help="default: ppo or dpo when the YAML has that group, rm with a calibration group, else sft")
     p.add_argument("--cluster", help="slurm/launch.py cluster YAML (nodes, gpus_per_node, gpu_memory_gib)")
     p.add_argument("--nodes", type=int)
     p.add_argument("--gpus-per-node", type=int)
@@ -90,7 +91,7 @@ def guess_stage(yaml_path: str) -> str:
     from omegaconf import OmegaConf
 
     data = OmegaConf.load(yaml_path) if os.path.isfile(yaml_path) else {}
-    return "ppo" if "ppo" in data else "rm" if "calibration" in data else "sft"
+    return "ppo" if "ppo" in data else "dpo" if "dpo" in data else "rm" if "calibration" in data else "sft"
 
 
 def cluster_of(args) -> Cluster:
@@ -105,6 +106,14 @@ def main(argv: Sequence[str]) -> int:
     args = _parse(argv)
     stage = args.stage or guess_stage(args.config)
     cfg = load_for_plan(stage, args.config, args.overrides)
-    plan = plan_stage(cfg, stage, cluster_of(args))
+    cluster = cluster_of(args)
+    try:
+        plan = plan_stage(cfg, stage, cluster)
+    except ValueError as e:  # LayoutError, ConfigError: one line each
+        if args.cluster or args.nodes or args.gpus_per_node:
+            raise
+        # A recipe's layout usually needs its own cluster: say which world size the refusal was for.
+        raise type(e)(f"{e} (planned for the default {cluster.nodes} node x {cluster.gpus_per_node} GPUs: pass "
+                      "--cluster CLUSTER.yaml, or --nodes and --gpus-per-node)") from None
     print(json.dumps(plan.to_dict()) if args.json else format_plan(plan))
     return 0 if plan.fits else 1

@@ -127,6 +127,7 @@ class ModelMemory:
     kv_cache: float = 0.0  # generation (policy)
     generation_weights: float = 0.0  # the policy's copy in the generation layout, when that differs
     resident: bool = True  # False: frozen weights live in host memory between uses (ppo.offload_frozen)
+    away: str = "host memory between uses"  # where a model that is not resident is outside its phases
 
     @property
     def state(self) -> float:

@@ -14,6 +14,9 @@ host memory meanwhile: both trained models' gradients and optimizer state, and w
 `rollout.release_training_weights` the policy's training weights; so it may be negative) and `score` (the
 frozen models' forward, and their weights when `ppo.offload_frozen` keeps them in host memory between
 uses). `ppo.reference_mode=swap` puts no reference weights on the GPU.
+
+DPO has two: the policy trains in the training layout on chosen and rejected rows together, beside its
+frozen reference in the same layout (`_plan_dpo`).
 """
 
 from __future__ import annotations
@@ -96,7 +99,8 @@ class Plan:
 
 def _phase_what(phase: str) -> str:
     return {"train_policy": "activations", "train_value": "activations", "train": "activations",
-            "rollout": "KV cache + generation weights", "score": "frozen forward"}.get(phase, phase)
+            "rollout": "KV cache + generation weights", "score": "frozen forward",
+            "reference_logprobs": "reference forward", "eval": "reference weights + KV cache"}.get(phase, phase)
 
 
 def _arch(path: Optional[str], default: ModelConfig) -> ModelConfig:
@@ -124,6 +128,10 @@ def check_layouts(cfg, stage: str, world: int) -> None:
     dp = p.dp(world)
     if stage != "ppo":
         check_batch_layout(cfg.train, dp)
+        if stage == "dpo":
+            from megatron_rlhf.config.dpo import check_dpo_layout
+
+            check_dpo_layout(cfg)
         return
     from megatron_rlhf.config.ppo import check_ppo_layout
 
@@ -131,7 +139,7 @@ def check_layouts(cfg, stage: str, world: int) -> None:
 
 
 def plan_stage(cfg, stage: str, cluster: Cluster, suggest: bool = True) -> Plan:
-    """The plan of `stage` (sft | rm | ppo) for the resolved config `cfg` on `cluster`."""
+    """The plan of `stage` (sft | rm | dpo | ppo) for the resolved config `cfg` on `cluster`."""
     world = cluster.world
     check_layouts(cfg, stage, world)
     p, t = cfg.parallel, cfg.train
@@ -153,6 +161,8 @@ def plan_stage(cfg, stage: str, cluster: Cluster, suggest: bool = True) -> Plan:
         nmb = t.global_batch_size // (t.micro_batch_size * dp)
         model.activations = activation_bytes(policy_arch, train_layout, act(micro, cfg.data.max_seq_len, nmb), head)
         plan = Plan(stage, world, dp, [model], {"train": model.activations}, _usable(cluster), notes=notes)
+    elif stage == "dpo":
+        plan = _plan_dpo(cfg, cluster, policy_arch, train_layout, trained_kw, act, notes)
     else:
         plan = _plan_ppo(cfg, cluster, policy_arch, train_layout, trained_kw, act, notes)
     if suggest and not plan.fits:
@@ -216,9 +226,36 @@ def _plan_ppo(cfg, cluster, policy_arch, train_layout, trained_kw, act, notes) -
     return Plan("ppo", world, dp, [policy, value, reference, reward], phases, _usable(cluster), notes=notes)
 
 
+def _plan_dpo(cfg, cluster, arch, layout, trained_kw, act, notes) -> Plan:
+    """The policy trains on chosen and rejected rows together (2 x train.micro_batch_size rows per micro-batch).
+    The frozen reference (training layout) is built first: with dpo.reference_logprobs=online it stays on the
+    GPU; with `precompute` it computes the table before the policy exists and is freed (that phase's extra, over
+    a resident state it does not share, may be negative). With dpo.eval_prompts_path, the reference is loaded
+    again after the last step and both policies sample the held-out prompts (this rank's share in one batch)."""
+    t, d, world = cfg.train, cfg.dpo, cluster.world
+    dp = cfg.parallel.dp(world)
+    seq, rows = cfg.data.max_seq_len, 2 * t.micro_batch_size
+    policy = model_memory("policy", arch, layout, "lm", **trained_kw)
+    reference = model_memory("reference", arch, layout, "lm", trained=False, dp=dp, distributed_optimizer=False,
+                             fp8=False)
+    nmb = t.global_batch_size // (t.micro_batch_size * dp)
+    policy.activations = activation_bytes(arch, layout, act(rows, seq, nmb), "lm")
+    reference.activations = inference_bytes(arch, layout, rows, seq, "lm")
+    reference.resident = d.reference_logprobs == "online"
+    reference.away = "only before the policy is built, for the reference log-probs"
+    alone = 0.0 if reference.resident else reference.weights - policy.state
+    phases = {"train": policy.activations, "reference_logprobs": alone + reference.activations}
+    if d.eval_prompts_path is not None:
+        share, length = -(-d.eval_prompts // dp), (cfg.data.max_prompt_len or seq) + d.max_new_tokens
+        phases["eval"] = reference.weights + kv_cache_bytes(arch, layout.tp, share, length)
+    return Plan("dpo", world, dp, [policy, reference], phases, _usable(cluster), notes=notes)
+
+
 # Single changes tried in this order, cheapest first; the first whose plan fits is suggested.
 def _candidates(cfg, stage: str, cluster: Cluster):
     p, t = cfg.parallel, cfg.train
+    if stage == "dpo" and cfg.dpo.reference_logprobs == "online":  # the same reference forwards, done up front
+        yield "dpo.reference_logprobs=precompute", {"dpo.reference_logprobs": "precompute"}, None
     if not p.use_distributed_optimizer and p.dp(cluster.world) > 1:
         yield "parallel.use_distributed_optimizer=true", {"parallel.use_distributed_optimizer": True}, None
     if p.recompute is None:
@@ -230,7 +267,9 @@ def _candidates(cfg, stage: str, cluster: Cluster):
     if stage == "ppo" and not cfg.ppo.offload_frozen:
         yield "ppo.offload_frozen=true", {"ppo.offload_frozen": True}, None
     if p.tp * 2 <= cluster.gpus_per_node:
-        sp = {} if stage == "ppo" else {"parallel.sequence_parallel": True}  # the PPO stage refuses SP (yet)
+        # the PPO stage refuses SP (yet), and so does DPO's sampled evaluation
+        no_sp = stage == "ppo" or (stage == "dpo" and cfg.dpo.eval_prompts_path is not None)
+        sp = {} if no_sp else {"parallel.sequence_parallel": True}
         yield f"parallel.tp={p.tp * 2}", {"parallel.tp": p.tp * 2, **sp}, None
     yield f"parallel.pp={p.pp * 2}", {"parallel.pp": p.pp * 2}, None
     yield f"--nodes {cluster.nodes * 2}", {}, dataclasses.replace(cluster, nodes=cluster.nodes * 2)

@@ -13,7 +13,6 @@ from typing import Dict, Sequence
 from megatron_rlhf.config.cluster import SlurmCluster
 
 SLURM_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))), "slurm")
-TRAIN_STAGES = ("sft", "rm", "ppo")
 
 
 def template_body(name: str) -> list:

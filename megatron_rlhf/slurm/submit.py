@@ -5,7 +5,7 @@
     python slurm/launch.py ppo examples/llama3_70b_ppo.yaml --cluster ... --set nodes=32 --backend nemo-run
     python slurm/launch.py convert --cluster ... --hf-dir /data/llama3-70b-hf --out /data/llama3-70b-mcore
 
-Training stages (sft, rm, ppo) are planned on the cluster's GPUs first; a layout the planner says does
+Training stages (sft, rm, dpo, ppo) are planned on the cluster's GPUs first; a layout the planner says does
 not fit is refused unless --force. `--backend plain` fills slurm/train.sbatch in and submits it with
 `sbatch`; `--backend nemo-run` builds a nemo-run `SlurmExecutor` (local or SSH tunnel). `--dryrun`
 writes the complete sbatch script (to --out, or prints it) and submits nothing.
@@ -24,7 +24,7 @@ from megatron_rlhf.config.fields import ConfigError
 from megatron_rlhf.slurm import sbatch
 from megatron_rlhf.config.cluster import load_cluster
 
-STAGES = ("sft", "rm", "ppo", "convert")
+STAGES = ("sft", "rm", "dpo", "ppo", "convert")
 
 
 def _parse(argv: Sequence[str]):

@@ -16,6 +16,7 @@ from megatron_rlhf.plan.planner import GIB, Cluster, plan_stage
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 EX = os.path.join(ROOT, "examples")
 R8, R70 = os.path.join(EX, "llama3_8b_ppo.yaml"), os.path.join(EX, "llama3_70b_ppo.yaml")
+DPO8, SFT8 = os.path.join(EX, "llama3_8b_dpo.yaml"), os.path.join(EX, "llama3_8b_sft.yaml")
 C8, C70 = os.path.join(EX, "llama3_8b_slurm.yaml"), os.path.join(EX, "llama3_70b_slurm.yaml")
 LLAMA2_7B = ["model.num_layers=32", "model.hidden_size=4096", "model.ffn_hidden_size=11008",
              "model.num_attention_heads=32", "model.num_query_groups=32", "model.vocab_size=32000",
@@ -107,6 +108,43 @@ def test_llama3_70b_recipe_by_hand():
     assert kept.phases["rollout"] == plan.phases["rollout"] + p.weights
 
 
+def test_llama3_8b_dpo_recipe_by_hand():
+    """DPO: the policy trains on 2 x micro_batch_size rows (the SFT recipe's activations at twice its micro
+    batch), beside a frozen bf16 reference in the same layout: resident with online log-probs, else alone
+    before the policy is built; the sampled evaluation loads the reference again beside a KV cache."""
+    from megatron_rlhf.plan.cli import cluster_from_yaml
+    from megatron_rlhf.plan.memory import kv_cache_bytes
+
+    def plan(recipe, stage, *overrides):
+        return plan_stage(load_for_plan(stage, recipe, list(overrides)), stage, cluster_from_yaml(C8))
+
+    h, f, kv, v, tp = 4096, 14336, 8 * 128, 128256, 2
+    layer = 2 * h + h * (h + 2 * kv) // tp + h * h // tp + 3 * h * f // tp
+    params = v * h // tp + 32 * layer + h + v * h // tp
+    pre = plan(DPO8, "dpo")
+    m = {x.name: x for x in pre.models}
+    assert pre.world == 8 and pre.dp == 4 and pre.fits and set(m) == {"policy", "reference"}
+    assert m["policy"].params_per_gpu == m["reference"].params_per_gpu == params
+    assert m["policy"].weights == params * (2 + 2) and m["policy"].optimizer == params * 12 / 4
+    assert m["reference"].weights == params * 2 and m["reference"].gradients == m["reference"].optimizer == 0
+    sft = plan(SFT8, "sft", "train.micro_batch_size=4")
+    assert m["policy"].activations == sft.models[0].activations == pre.phases["train"]
+    assert not m["reference"].resident and pre.state == m["policy"].state == sft.state
+    assert pre.state + pre.phases["reference_logprobs"] == m["reference"].weights + m["reference"].activations
+    online = plan(DPO8, "dpo", "dpo.reference_logprobs=online")
+    assert online.state == pre.state + m["reference"].weights
+    assert online.phases["reference_logprobs"] == m["reference"].activations
+    # 256 held-out prompts over DP=4 in one batch of 64, 1024 prompt + 64 new tokens, 4 KV heads per GPU
+    sampled = plan(DPO8, "dpo", "dpo.eval_prompts_path=/data/prompts.jsonl", "parallel.sequence_parallel=false")
+    arch = load_for_plan("dpo", DPO8, []).model.to_model_config()
+    assert sampled.phases["eval"] == m["reference"].weights + kv_cache_bytes(arch, 2, 64, 1088)
+    assert kv_cache_bytes(arch, 2, 64, 1088) == 2 * 32 * 4 * 128 * 2 * 64 * 1088
+    # online log-probs that do not fit: precomputing them is the first suggestion
+    tight = plan_stage(load_for_plan("dpo", DPO8, ["dpo.reference_logprobs=online"]), "dpo",
+                       Cluster(nodes=1, gpus_per_node=8, gpu_memory_gib=(pre.total + online.total) / 2 / GIB + 4))
+    assert not tight.fits and tight.suggestion == "dpo.reference_logprobs=precompute"
+
+
 @pytest.mark.parametrize("overrides, error, fragment", [
     (["parallel.pp=3"], LayoutError, "world size 128 is not divisible by tp*pp*cp = 8*3*1 = 24"),
     (["parallel.tp=16", "parallel.pp=2"], LayoutError, "model.num_query_groups (key/value heads)=8 is not divisible by parallel.tp=16"),
@@ -124,6 +162,15 @@ def test_bad_layouts_give_one_line(overrides, error, fragment):
     assert fragment in str(e.value) and "\n" not in str(e.value)
 
 
+def test_dpo_refuses_what_its_stage_refuses():
+    """The DPO stage's own layout check (config/dpo.py check_dpo_layout): its sampled evaluation needs PP=1."""
+    cfg = load_for_plan("dpo", DPO8, ["dpo.eval_prompts_path=/data/prompts.jsonl", "parallel.pp=2",
+                                      "parallel.sequence_parallel=false"])
+    with pytest.raises(ConfigError, match="^dpo.eval_prompts_path samples with the Megatron sampler, which needs "
+                                          "parallel.pp=1"):
+        plan_stage(cfg, "dpo", Cluster())
+
+
 def test_cli_verdict_suggestion_and_json(capsys):
     assert cli.main(["plan", R8, "--cluster", C8]) == 0
     out = capsys.readouterr().out
@@ -138,6 +185,30 @@ def test_cli_verdict_suggestion_and_json(capsys):
     assert isinstance(doc["fits"], bool) and doc["total_bytes_per_gpu"] > doc["state_bytes_per_gpu"] > 0
     assert cli.main(["plan", R70, "--cluster", C70, "parallel.tp=3"]) == 2
     assert capsys.readouterr().err.startswith("error: world size 128 is not divisible")
+    # Without --cluster or --nodes the refusal says which cluster it assumed and how to name the recipe's.
+    assert cli.main(["plan", R70]) == 2
+    assert capsys.readouterr().err == (
+        "error: world size 8 is not divisible by tp*pp*cp = 8*4*1 = 32: change parallel.tp/pp/cp or the number of "
+        "ranks (planned for the default 1 node x 8 GPUs: pass --cluster CLUSTER.yaml, or --nodes and "
+        "--gpus-per-node)\n")
+
+
+def test_dpo_is_planned_and_submitted(capsys, tmp_path):
+    """`plan` takes a DPO recipe's stage from its dpo group; `submit dpo` plans it and writes its job."""
+    assert cli.main(["plan", DPO8, "--cluster", C8]) == 0
+    assert capsys.readouterr().out.startswith("plan: dpo on 8 GPUs (DP=4)")
+    out = tmp_path / "dpo.sbatch"
+    cwd = os.getcwd()
+    os.chdir(ROOT)  # the job runs from the checkout; configs are relative to it
+    try:
+        assert cli.main(["submit", "dpo", "examples/llama3_8b_dpo.yaml", "--cluster", C8, "--dryrun", "--out",
+                         str(out), "train.train_steps=7"]) == 0
+    finally:
+        os.chdir(cwd)
+    assert "plan: dpo on 8 GPUs" in capsys.readouterr().err
+    script = out.read_text()
+    assert "#SBATCH --job-name=megatron-rlhf-dpo" in script and "export STAGE=dpo" in script
+    assert "export CONFIG=examples/llama3_8b_dpo.yaml" in script and "train.train_steps=7" in script
 
 
 def test_submit_refuses_what_does_not_fit_unless_forced(capsys, tmp_path):
