@@ -18,21 +18,40 @@ class DataError(ValueError):
     """Unusable data or tokenizer. The message is one line naming the file, the numbers and the fix."""
 
 
+# Classes that AutoTokenizer resolves to the generic fast tokenizer (`tokenizer.json` read by `tokenizers`):
+# named directly, they load the same tokenizer without importing AutoTokenizer's mapping of every model,
+# about 1 s of each rank's start-up on the 2-core machine (torch's compiler stack comes with it).
+GENERIC_FAST = ("PreTrainedTokenizerFast", "TokenizersBackend")
+
+
 def load_tokenizer(path: str):
     """A local HF tokenizer (no hub access). A missing pad token falls back to EOS: collate never
     relies on the pad id to find real tokens (it uses lengths), so this is safe."""
-    from transformers import AutoTokenizer
-
     if not os.path.isdir(path):
         raise DataError(f"tokenizer.path: '{path}' is not a directory holding an HF tokenizer")
+    if _tokenizer_class(path) in GENERIC_FAST and os.path.isfile(os.path.join(path, "tokenizer.json")):
+        from transformers import PreTrainedTokenizerFast as tokenizer_class
+    else:
+        from transformers import AutoTokenizer as tokenizer_class
     try:
-        tok = AutoTokenizer.from_pretrained(path, local_files_only=True)
+        tok = tokenizer_class.from_pretrained(path, local_files_only=True)
     except Exception as e:
         first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
         raise DataError(f"tokenizer.path: could not load a tokenizer from '{path}': {first}") from None
     if tok.pad_token_id is None and tok.eos_token_id is not None:
         tok.pad_token = tok.eos_token
     return tok
+
+
+def _tokenizer_class(path: str):
+    """The class a tokenizer directory's tokenizer_config.json names (None if it names none or cannot be read:
+    AutoTokenizer then decides, and reports what is wrong)."""
+    try:
+        with open(os.path.join(path, "tokenizer_config.json"), encoding="utf-8") as fh:
+            config = json.load(fh)
+    except (OSError, ValueError):
+        return None
+    return config.get("tokenizer_class") if isinstance(config, dict) else None
 
 
 def check_vocab(tokenizer, vocab_size: int) -> None:
