@@ -100,7 +100,7 @@ class Plan:
 def _phase_what(phase: str) -> str:
     return {"train_policy": "activations", "train_value": "activations", "train": "activations",
             "rollout": "KV cache + generation weights", "score": "frozen forward",
-            "reference_logprobs": "reference forward", "eval": "reference weights + KV cache"}.get(phase, phase)
+            "reference_logprobs": "reference forward", "eval": "reference weights and KV cache"}.get(phase, phase)
 
 
 def _arch(path: Optional[str], default: ModelConfig) -> ModelConfig:
@@ -230,8 +230,9 @@ def _plan_dpo(cfg, cluster, arch, layout, trained_kw, act, notes) -> Plan:
     """The policy trains on chosen and rejected rows together (2 x train.micro_batch_size rows per micro-batch).
     The frozen reference (training layout) is built first: with dpo.reference_logprobs=online it stays on the
     GPU; with `precompute` it computes the table before the policy exists and is freed (that phase's extra, over
-    a resident state it does not share, may be negative). With dpo.eval_prompts_path, the reference is loaded
-    again after the last step and both policies sample the held-out prompts (this rank's share in one batch)."""
+    a resident state it does not share, may be negative). With dpo.eval_prompts_path, both policies sample the
+    held-out prompts after the last step (this rank's share in one batch), the precomputing run's reference
+    loaded again."""
     t, d, world = cfg.train, cfg.dpo, cluster.world
     dp = cfg.parallel.dp(world)
     seq, rows = cfg.data.max_seq_len, 2 * t.micro_batch_size
@@ -247,7 +248,8 @@ def _plan_dpo(cfg, cluster, arch, layout, trained_kw, act, notes) -> Plan:
     phases = {"train": policy.activations, "reference_logprobs": alone + reference.activations}
     if d.eval_prompts_path is not None:
         share, length = -(-d.eval_prompts // dp), (cfg.data.max_prompt_len or seq) + d.max_new_tokens
-        phases["eval"] = reference.weights + kv_cache_bytes(arch, layout.tp, share, length)
+        again = 0.0 if reference.resident else reference.weights  # an online reference is the one evaluated
+        phases["eval"] = again + kv_cache_bytes(arch, layout.tp, share, length)
     return Plan("dpo", world, dp, [policy, reference], phases, _usable(cluster), notes=notes)
 
 
@@ -293,4 +295,9 @@ def suggest_change(cfg, stage: str, cluster: Cluster) -> str:
                 return text
         except (LayoutError, ConfigError):
             continue  # that change breaks a divisibility: not a suggestion
-    return "no single change fits: combine more TP/PP, recompute, ppo.offload_frozen and more nodes"
+    levers = ["more TP/PP", "recompute"]
+    if stage == "ppo":
+        levers.append("ppo.offload_frozen")
+    if stage == "dpo" and cfg.dpo.reference_logprobs == "online":
+        levers.append("dpo.reference_logprobs=precompute")
+    return f"no single change fits: combine {', '.join(levers)} and more nodes"

@@ -116,3 +116,33 @@ def test_eval_prompts_need_a_sampling_layout(paths, tmp_path):
     assert cfg.dpo.reference_logprobs == "precompute" and cfg.dpo.beta == 0.1
     with pytest.raises(C.ConfigError, match="parallel.pp=1"):
         C.load_config(C.DPOConfig, None, ok + ["parallel.pp=2"])
+
+
+@pytest.mark.parametrize("mode", ["online", "precompute"])
+def test_the_evaluation_samples_the_runs_own_online_reference(paths, tmp_path, monkeypatch, mode):
+    """dpo_stage's prepare and finalize share the reference when it stays for the run (`online`): the
+    evaluation after the last step samples that one instead of loading a second copy; after `precompute` it
+    loads the reference again."""
+    from types import SimpleNamespace
+
+    from megatron_rlhf.checkpoint import state as ckpt
+    from megatron_rlhf.trainer.dpo import eval as dpo_eval
+    from megatron_rlhf.trainer.dpo import fit
+
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text('{"prompt": "a"}\n')
+    cfg = C.load_config(C.DPOConfig, None, paths + [f"dpo.eval_prompts_path={prompts}", "data.max_prompt_len=64",
+                                                    f"dpo.reference_logprobs={mode}", "tokenizer.allow_swap=true"])
+    built, loaded, sampled = [torch.nn.Linear(1, 1)], [torch.nn.Linear(1, 1)], []
+    monkeypatch.setattr(fit, "build_reference", lambda cfg, ctx: built)
+    monkeypatch.setattr(fit, "precompute_table", lambda *a: torch.zeros(0, 2))
+    monkeypatch.setattr(ckpt, "load_model", lambda *a, **k: loaded)
+    monkeypatch.setattr(dpo_eval.D, "load_examples", lambda *a, **k: ({"prompt_ids": [[1, 2]]}, None))
+    monkeypatch.setattr(dpo_eval, "sample_and_score",
+                        lambda policy, reference, *a: sampled.append(reference) or {"response_length": 1.0})
+    stage = fit.dpo_stage(cfg)
+    ctx = SimpleNamespace(model_cfg=SimpleNamespace(vocab_size=17), log=None, tokenizer=None)
+    stage.prepare(cfg, ctx, SimpleNamespace(train=[], eval=None), None)
+    out = stage.finalize(cfg, [torch.nn.Linear(1, 1)], None, 0, 1, None)
+    assert "summary" in out and len(sampled) == 4  # (sft, dpo) x (sampled, greedy)
+    assert all(r is (built if mode == "online" else loaded) for r in sampled)

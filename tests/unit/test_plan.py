@@ -111,7 +111,7 @@ def test_llama3_70b_recipe_by_hand():
 def test_llama3_8b_dpo_recipe_by_hand():
     """DPO: the policy trains on 2 x micro_batch_size rows (the SFT recipe's activations at twice its micro
     batch), beside a frozen bf16 reference in the same layout: resident with online log-probs, else alone
-    before the policy is built; the sampled evaluation loads the reference again beside a KV cache."""
+    before the policy is built; the sampled evaluation adds a KV cache, and the reference again if it was freed."""
     from megatron_rlhf.plan.cli import cluster_from_yaml
     from megatron_rlhf.plan.memory import kv_cache_bytes
 
@@ -139,10 +139,15 @@ def test_llama3_8b_dpo_recipe_by_hand():
     arch = load_for_plan("dpo", DPO8, []).model.to_model_config()
     assert sampled.phases["eval"] == m["reference"].weights + kv_cache_bytes(arch, 2, 64, 1088)
     assert kv_cache_bytes(arch, 2, 64, 1088) == 2 * 32 * 4 * 128 * 2 * 64 * 1088
+    online_sampled = plan(DPO8, "dpo", "dpo.eval_prompts_path=/data/prompts.jsonl", "parallel.sequence_parallel=false",
+                          "dpo.reference_logprobs=online")  # the resident reference is the one evaluated
+    assert online_sampled.phases["eval"] == kv_cache_bytes(arch, 2, 64, 1088)
     # online log-probs that do not fit: precomputing them is the first suggestion
     tight = plan_stage(load_for_plan("dpo", DPO8, ["dpo.reference_logprobs=online"]), "dpo",
                        Cluster(nodes=1, gpus_per_node=8, gpu_memory_gib=(pre.total + online.total) / 2 / GIB + 4))
     assert not tight.fits and tight.suggestion == "dpo.reference_logprobs=precompute"
+    small = plan_stage(load_for_plan("dpo", DPO8, []), "dpo", Cluster(nodes=1, gpus_per_node=8, gpu_memory_gib=8))
+    assert small.suggestion == "no single change fits: combine more TP/PP, recompute and more nodes"  # DPO's levers
 
 
 @pytest.mark.parametrize("overrides, error, fragment", [

@@ -61,9 +61,10 @@ def sample_and_score(policy, reference, prompts: List[List[int]], cfg, tokenizer
     return _means(values, ps.get_data_parallel_group())
 
 
-def summary_pass(cfg, chunks, tokenizer, dp_rank: int, dp_size: int, log) -> Dict[str, dict]:
+def summary_pass(cfg, chunks, tokenizer, dp_rank: int, dp_size: int, log, kept=None) -> Dict[str, dict]:
     """Stage.finalize of DPO: {"summary": {...}} (-> summary.json and eval/summary_*), or {} when
-    `dpo.eval_prompts_path` is not set."""
+    `dpo.eval_prompts_path` is not set. `kept`: the dict in which trainer/dpo/fit.py `prepare` keeps the
+    reference it built when it stays for the run (`online`); else the reference is loaded again."""
     d = cfg.dpo
     if d.eval_prompts_path is None:
         return {}
@@ -74,9 +75,10 @@ def summary_pass(cfg, chunks, tokenizer, dp_rank: int, dp_size: int, log) -> Dic
     prompt_cfg = dataclasses.replace(cfg.data, train_path=d.eval_prompts_path, eval_path=None)
     rows, _ = D.load_examples("prompt", prompt_cfg, tokenizer, log=log)
     prompts = list(rows["prompt_ids"])
-    # The reference again: with reference_logprobs=precompute it was freed before training.
-    reference = freeze(ckpt.load_model(cfg.model.load, cfg.model.to_model_config(), cfg.parallel, "policy", "lm",
-                                       fp8=cfg.fp8, tokenizer=expected_tokenizer(cfg, tokenizer)))
+    reference = (kept or {}).get("reference")
+    if reference is None:  # with reference_logprobs=precompute it was freed before training: loaded again
+        reference = freeze(ckpt.load_model(cfg.model.load, cfg.model.to_model_config(), cfg.parallel, "policy",
+                                           "lm", fp8=cfg.fp8, tokenizer=expected_tokenizer(cfg, tokenizer)))
     gold = load_gold_scorer(d.gold_scorer)
     out: Dict[str, float] = {}
     for greedy in (False, True):

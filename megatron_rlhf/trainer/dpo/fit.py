@@ -17,7 +17,7 @@ its forward on each batch. Both attach `ref_logps` [2b] to the micro-batches (St
 from __future__ import annotations
 
 import functools
-from typing import Callable, Dict, List
+from typing import Callable, Dict, List, Optional
 
 import torch
 
@@ -118,11 +118,14 @@ def precompute_table(reference, dataset, cfg, tokenizer, pad_to, vocab_size: int
     return table
 
 
-def prepare(cfg, ctx, splits, pad_to) -> Callable:
-    """Stage.prepare: the reference, then `attach(split, mbs, indices)` adding `ref_logps` [2b] per micro-batch."""
+def prepare(cfg, ctx, splits, pad_to, kept: Optional[dict] = None) -> Callable:
+    """Stage.prepare: the reference, then `attach(split, mbs, indices)` adding `ref_logps` [2b] per micro-batch.
+    A reference that stays for the run (`online`) is also put in `kept["reference"]`, for the evaluation."""
     vocab, log = ctx.model_cfg.vocab_size, ctx.log
     reference = build_reference(cfg, ctx)
     if cfg.dpo.reference_logprobs == "online":
+        if kept is not None:
+            kept["reference"] = reference
         def attach_online(split: str, mbs: List[Batch], indices) -> List[Batch]:
             for mb, logps in zip(mbs, reference_logps(reference, mbs, vocab)):
                 mb["ref_logps"] = logps
@@ -154,6 +157,7 @@ def dpo_stage(cfg) -> Stage:
     from megatron_rlhf.trainer.dpo.eval import summary_pass
 
     d = cfg.dpo
+    kept: dict = {}  # the online reference, shared by prepare and the evaluation after the last step
     return Stage(
         name="policy",  # a DPO checkpoint is a policy: PPO, convert and tiny-pairs read it as one
         data_kind="preference",
@@ -162,8 +166,8 @@ def dpo_stage(cfg) -> Stage:
                                   label_smoothing=d.label_smoothing),
         stat_names=STATS,
         init_source="policy",
-        finalize=summary_pass,
-        prepare=prepare,
+        finalize=functools.partial(summary_pass, kept=kept),
+        prepare=functools.partial(prepare, kept=kept),
     )
 
 
