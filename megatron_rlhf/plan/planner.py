@@ -100,7 +100,8 @@ class Plan:
 def _phase_what(phase: str) -> str:
     return {"train_policy": "activations", "train_value": "activations", "train": "activations",
             "rollout": "KV cache + generation weights", "score": "frozen forward",
-            "reference_logprobs": "reference forward", "eval": "reference weights and KV cache"}.get(phase, phase)
+            "reference_logprobs": "reference forward",
+            "eval": "KV cache, and the reference reloaded after precompute"}.get(phase, phase)
 
 
 def _arch(path: Optional[str], default: ModelConfig) -> ModelConfig:
