@@ -16,6 +16,7 @@ import json
 import os
 from typing import Optional, Sequence
 
+from megatron_rlhf.config.fields import ConfigError
 from megatron_rlhf.plan.planner import GIB, Cluster, Plan, plan_stage
 
 STAGES = ("sft", "rm", "dpo", "ppo")
@@ -40,11 +41,10 @@ def load_for_plan(stage: str, yaml_path: Optional[str], overrides: Sequence[str]
 
 
 def cluster_from_yaml(path: str) -> Cluster:
-    """nodes / gpus_per_node / gpu_memory_gib of a slurm/launch.py cluster YAML."""
+    """The cluster of a slurm/launch.py cluster YAML (nodes, ranks per node, memory of one device or CPU rank)."""
     from megatron_rlhf.config.cluster import load_cluster
 
-    c = load_cluster(path, [])
-    return Cluster(nodes=c.nodes, gpus_per_node=c.gpus_per_node, gpu_memory_gib=c.gpu_memory_gib)
+    return Cluster.of(load_cluster(path, []))
 
 
 def _gib(x: float) -> str:
@@ -99,6 +99,9 @@ def cluster_of(args) -> Cluster:
     for key in ("nodes", "gpus_per_node", "gpu_memory_gib"):
         if getattr(args, key) is not None:
             setattr(cluster, key, getattr(args, key))
+    if cluster.nodes < 1 or cluster.gpus_per_node < 1:
+        raise ConfigError(f"--nodes {cluster.nodes} and --gpus-per-node {cluster.gpus_per_node} must be >= 1 (a CPU "
+                          "partition: pass --cluster with its YAML, whose ranks_per_node the planner counts)")
     return cluster
 
 

@@ -44,6 +44,14 @@ class Cluster:
     gpus_per_node: int = 8
     gpu_memory_gib: float = 80.0
     reserve_gib: float = 4.0  # CUDA context, NCCL buffers, allocator fragmentation
+    cpu: bool = False  # a CPU partition: gpus_per_node counts ranks, gpu_memory_gib is one rank's memory
+
+    @classmethod
+    def of(cls, slurm) -> "Cluster":
+        """The planner's view of a slurm/launch.py cluster (config/cluster.py SlurmCluster): one device per
+        rank, so a CPU partition (gpus_per_node 0, ranks_per_node N) plans N ranks per node."""
+        return cls(nodes=slurm.nodes, gpus_per_node=slurm.ranks, gpu_memory_gib=slurm.gpu_memory_gib,
+                   cpu=slurm.gpus_per_node == 0)
 
     @property
     def world(self) -> int:
@@ -149,10 +157,14 @@ def plan_stage(cfg, stage: str, cluster: Cluster, suggest: bool = True) -> Plan:
     train_layout = Layout(p.tp, p.pp, p.vpp)
     fp8 = cfg.fp8.format is not None
     trained_kw = dict(trained=True, dp=dp, distributed_optimizer=p.use_distributed_optimizer, fp8=fp8)
+    frozen_kw = dict(trained=False, dp=dp, distributed_optimizer=False, fp8=False)
     act = lambda micro, seq, nmb: Activations(  # noqa: E731
         micro_batch=micro, seq_len=seq, num_microbatches=nmb, cp=p.cp, sequence_parallel=p.sequence_parallel,
         recompute=p.recompute, flash=fp8)
     notes = []
+    if cluster.cpu:
+        notes.append(f"a CPU partition: each of the {world} ranks is planned as one device of gpu_memory_gib "
+                     f"({cluster.gpu_memory_gib:g} GiB, its share of the node's memory)")
     if not fp8:
         notes.append("activations assume unfused attention (no FP8/Transformer Engine): a conservative estimate")
     if stage in ("sft", "rm"):
@@ -163,9 +175,9 @@ def plan_stage(cfg, stage: str, cluster: Cluster, suggest: bool = True) -> Plan:
         model.activations = activation_bytes(policy_arch, train_layout, act(micro, cfg.data.max_seq_len, nmb), head)
         plan = Plan(stage, world, dp, [model], {"train": model.activations}, _usable(cluster), notes=notes)
     elif stage == "dpo":
-        plan = _plan_dpo(cfg, cluster, policy_arch, train_layout, trained_kw, act, notes)
+        plan = _plan_dpo(cfg, cluster, policy_arch, train_layout, trained_kw, frozen_kw, act, notes)
     else:
-        plan = _plan_ppo(cfg, cluster, policy_arch, train_layout, trained_kw, act, notes)
+        plan = _plan_ppo(cfg, cluster, policy_arch, train_layout, trained_kw, frozen_kw, act, notes)
     if suggest and not plan.fits:
         plan.suggestion = suggest_change(cfg, stage, cluster)
     return plan
@@ -175,7 +187,7 @@ def _usable(cluster: Cluster) -> float:
     return (cluster.gpu_memory_gib - cluster.reserve_gib) * GIB
 
 
-def _plan_ppo(cfg, cluster, policy_arch, train_layout, trained_kw, act, notes) -> Plan:
+def _plan_ppo(cfg, cluster, policy_arch, train_layout, trained_kw, frozen_kw, act, notes) -> Plan:
     p, t, ppo, world = cfg.parallel, cfg.train, cfg.ppo, cluster.world
     dp = p.dp(world)
     seq = (cfg.data.max_prompt_len or cfg.data.max_seq_len) + ppo.max_new_tokens
@@ -183,7 +195,6 @@ def _plan_ppo(cfg, cluster, policy_arch, train_layout, trained_kw, act, notes) -
     reward_arch = _arch(ppo.reward_load, policy_arch)
     inf_tp = ppo.inference_tp
     inf_layout = train_layout if inf_tp is None else Layout(inf_tp, 1)
-    frozen_kw = dict(trained=False, dp=dp, distributed_optimizer=False, fp8=False)
     policy = model_memory("policy", policy_arch, train_layout, "lm", **trained_kw)
     value = model_memory("value", value_arch, train_layout, "scalar", **trained_kw)
     swap_reference = ppo.reference_mode == "swap"
@@ -227,7 +238,7 @@ def _plan_ppo(cfg, cluster, policy_arch, train_layout, trained_kw, act, notes) -
     return Plan("ppo", world, dp, [policy, value, reference, reward], phases, _usable(cluster), notes=notes)
 
 
-def _plan_dpo(cfg, cluster, arch, layout, trained_kw, act, notes) -> Plan:
+def _plan_dpo(cfg, cluster, arch, layout, trained_kw, frozen_kw, act, notes) -> Plan:
     """The policy trains on chosen and rejected rows together (2 x train.micro_batch_size rows per micro-batch).
     The frozen reference (training layout) is built first: with dpo.reference_logprobs=online it stays on the
     GPU; with `precompute` it computes the table before the policy exists and is freed (that phase's extra, over
@@ -238,8 +249,7 @@ def _plan_dpo(cfg, cluster, arch, layout, trained_kw, act, notes) -> Plan:
     dp = cfg.parallel.dp(world)
     seq, rows = cfg.data.max_seq_len, 2 * t.micro_batch_size
     policy = model_memory("policy", arch, layout, "lm", **trained_kw)
-    reference = model_memory("reference", arch, layout, "lm", trained=False, dp=dp, distributed_optimizer=False,
-                             fp8=False)
+    reference = model_memory("reference", arch, layout, "lm", **frozen_kw)
     nmb = t.global_batch_size // (t.micro_batch_size * dp)
     policy.activations = activation_bytes(arch, layout, act(rows, seq, nmb), "lm")
     reference.activations = inference_bytes(arch, layout, rows, seq, "lm")

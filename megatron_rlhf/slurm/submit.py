@@ -47,7 +47,7 @@ def check_plan(stage: str, config: str, overrides: Sequence[str], cluster, force
     from megatron_rlhf.plan.planner import Cluster, plan_stage
 
     cfg = load_for_plan(stage, config, overrides)
-    plan = plan_stage(cfg, stage, Cluster(cluster.nodes, cluster.ranks, cluster.gpu_memory_gib))
+    plan = plan_stage(cfg, stage, Cluster.of(cluster))
     print(format_plan(plan), file=sys.stderr)
     if not plan.fits and not force:
         name, size = plan.largest_term()

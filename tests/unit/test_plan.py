@@ -223,3 +223,21 @@ def test_submit_refuses_what_does_not_fit_unless_forced(capsys, tmp_path):
     assert "error: the planner says ppo does not fit" in err and "try parallel.tp=4, or pass --force" in err
     assert cli.main(argv + ["--force", "--out", str(tmp_path / "job.sh")]) == 0
     assert "#SBATCH --nodes=1" in (tmp_path / "job.sh").read_text()
+
+
+def test_cpu_partition_is_planned_per_rank(capsys, tmp_path):
+    """A CPU partition's cluster YAML (gpus_per_node 0, ranks_per_node N; docs/scale-out.md's local cluster)
+    plans nodes x ranks_per_node ranks, as `submit` does, and says what its memory figure stands for."""
+    yaml = tmp_path / "local.yaml"
+    yaml.write_text("nodes: 2\ngpus_per_node: 0\nranks_per_node: 1\ngpu_memory_gib: 12\n")
+    tiny = os.path.join(ROOT, "examples", "tiny", "sft.yaml")
+    assert cli.main(["plan", tiny, "--cluster", str(yaml)]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith("plan: sft on 2 GPUs (DP=2)") and "of 8.0 GiB usable" in out
+    assert "note: a CPU partition: each of the 2 ranks is planned as one device of gpu_memory_gib (12 GiB" in out
+    assert cli.main(["plan", tiny, "--cluster", str(yaml), "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["dp"] == 2
+    assert cli.main(["plan", tiny, "--gpus-per-node", "0"]) == 2
+    assert capsys.readouterr().err == (
+        "error: --nodes 1 and --gpus-per-node 0 must be >= 1 (a CPU partition: pass --cluster with its YAML, whose "
+        "ranks_per_node the planner counts)\n")
