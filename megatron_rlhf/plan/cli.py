@@ -53,8 +53,9 @@ def _gib(x: float) -> str:
 
 def format_plan(plan: Plan) -> str:
     """The plan as a table: one row per model, then the phases, the total and the verdict."""
-    lines = [f"plan: {plan.stage} on {plan.world} GPUs (DP={plan.dp}), GiB per GPU",
-             f"{'model':<10} {'layout':<18} {'params/GPU':>13} {'weights':>7} {'grads':>7} {'optim':>7} "
+    unit = "GPU" if plan.device == "GPU" else "rank"
+    lines = [f"plan: {plan.stage} on {plan.world} {plan.device}s (DP={plan.dp}), GiB per {plan.device}",
+             f"{'model':<10} {'layout':<18} {'params/' + unit:>13} {'weights':>7} {'grads':>7} {'optim':>7} "
              f"{'activ.':>7} {'KV':>7}"]
     for m in plan.models:
         flag = "" if m.resident else f"  ({m.away})"

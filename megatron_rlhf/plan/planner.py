@@ -46,12 +46,17 @@ class Cluster:
     reserve_gib: float = 4.0  # CUDA context, NCCL buffers, allocator fragmentation
     cpu: bool = False  # a CPU partition: gpus_per_node counts ranks, gpu_memory_gib is one rank's memory
 
+    # A CPU rank has no CUDA context or NCCL buffers; what it holds besides the plan's terms is the interpreter
+    # with torch, Megatron and transformers imported (about 0.5 GiB resident) and gloo's buffers.
+    CPU_RESERVE_GIB = 1.0
+
     @classmethod
     def of(cls, slurm) -> "Cluster":
         """The planner's view of a slurm/launch.py cluster (config/cluster.py SlurmCluster): one device per
         rank, so a CPU partition (gpus_per_node 0, ranks_per_node N) plans N ranks per node."""
+        cpu = slurm.gpus_per_node == 0
         return cls(nodes=slurm.nodes, gpus_per_node=slurm.ranks, gpu_memory_gib=slurm.gpu_memory_gib,
-                   cpu=slurm.gpus_per_node == 0)
+                   reserve_gib=cls.CPU_RESERVE_GIB if cpu else cls.reserve_gib, cpu=cpu)
 
     @property
     def world(self) -> int:
@@ -68,6 +73,7 @@ class Plan:
     gpu_bytes: float  # usable: GPU memory minus the reserve
     suggestion: Optional[str] = None
     notes: List[str] = field(default_factory=list)
+    device: str = "GPU"  # what one rank's memory is: "GPU", or "CPU rank" on a CPU partition
 
     @property
     def state(self) -> float:
@@ -98,7 +104,7 @@ class Plan:
 
     def to_dict(self) -> dict:
         name, size = self.largest_term()
-        return {"stage": self.stage, "world": self.world, "dp": self.dp, "fits": self.fits,
+        return {"stage": self.stage, "world": self.world, "dp": self.dp, "device": self.device, "fits": self.fits,
                 "total_bytes_per_gpu": self.total, "state_bytes_per_gpu": self.state,
                 "gpu_bytes": self.gpu_bytes, "peak_phase": self.peak_phase, "phases": self.phases,
                 "largest_term": {"name": name, "bytes": size}, "suggestion": self.suggestion,
@@ -163,8 +169,8 @@ def plan_stage(cfg, stage: str, cluster: Cluster, suggest: bool = True) -> Plan:
         recompute=p.recompute, flash=fp8)
     notes = []
     if cluster.cpu:
-        notes.append(f"a CPU partition: each of the {world} ranks is planned as one device of gpu_memory_gib "
-                     f"({cluster.gpu_memory_gib:g} GiB, its share of the node's memory)")
+        notes.append(f"a CPU partition: each rank is planned with gpu_memory_gib ({cluster.gpu_memory_gib:g} GiB, "
+                     "its share of the node's memory); moves to host memory free nothing there")
     if not fp8:
         notes.append("activations assume unfused attention (no FP8/Transformer Engine): a conservative estimate")
     if stage in ("sft", "rm"):
@@ -178,6 +184,7 @@ def plan_stage(cfg, stage: str, cluster: Cluster, suggest: bool = True) -> Plan:
         plan = _plan_dpo(cfg, cluster, policy_arch, train_layout, trained_kw, frozen_kw, act, notes)
     else:
         plan = _plan_ppo(cfg, cluster, policy_arch, train_layout, trained_kw, frozen_kw, act, notes)
+    plan.device = "CPU rank" if cluster.cpu else "GPU"
     if suggest and not plan.fits:
         plan.suggestion = suggest_change(cfg, stage, cluster)
     return plan
@@ -215,18 +222,25 @@ def _plan_ppo(cfg, cluster, policy_arch, train_layout, trained_kw, frozen_kw, ac
     copy_generates = own_layout or cfg.rollout.engine == "vllm"
     if copy_generates:
         policy.generation_weights = params_per_gpu(policy_arch, gen_layout) * dtype_bytes(policy_arch.params_dtype)
-    offload = ppo.offload_frozen
+    # On a CPU partition host memory is the rank's memory: the moves to it (rollout/offload.py, frozen
+    # offload, reference swap) free nothing, so everything counts as resident.
+    offload = ppo.offload_frozen and not cluster.cpu
     reward.resident = not offload
     reference.resident = not (offload or swap_reference)
     if swap_reference:
-        reference.weights = 0.0  # host copies (trainer/ppo/reference_swap.py), one parameter of device scratch
-        notes.append("ppo.reference_mode=swap: the reference weights wait in host memory and run in the policy's model")
+        if cluster.cpu:
+            reference.resident = True  # its host copies are this rank's memory
+        else:
+            reference.weights = 0.0  # host copies (trainer/ppo/reference_swap.py), one parameter of device scratch
+            notes.append("ppo.reference_mode=swap: the reference weights wait in host memory and run in the policy's model")
     frozen_weights = max(reference.weights, reward.weights) if offload else 0.0
     # During the rollout, gradients and optimizer state of both trained models wait in host memory
     # (rollout/offload.py), and so do the policy's training weights while a copy of them generates.
     in_host = policy.gradients + policy.optimizer + value.gradients + value.optimizer
     if copy_generates and cfg.rollout.release_training_weights:
         in_host += policy.weights
+    if cluster.cpu:
+        in_host = 0.0
     phases = {
         "train_policy": policy.activations,
         "train_value": value.activations,
@@ -277,7 +291,7 @@ def _candidates(cfg, stage: str, cluster: Cluster):
         yield "parallel.recompute=full", {"parallel.recompute": "full"}, None
     if t.micro_batch_size > 1:
         yield f"train.micro_batch_size={t.micro_batch_size // 2}", {"train.micro_batch_size": t.micro_batch_size // 2}, None
-    if stage == "ppo" and not cfg.ppo.offload_frozen:
+    if stage == "ppo" and not cfg.ppo.offload_frozen and not cluster.cpu:
         yield "ppo.offload_frozen=true", {"ppo.offload_frozen": True}, None
     if p.tp * 2 <= cluster.gpus_per_node:
         # the PPO stage refuses SP (yet), and so does DPO's sampled evaluation
@@ -307,7 +321,7 @@ def suggest_change(cfg, stage: str, cluster: Cluster) -> str:
         except (LayoutError, ConfigError):
             continue  # that change breaks a divisibility: not a suggestion
     levers = ["more TP/PP", "recompute"]
-    if stage == "ppo":
+    if stage == "ppo" and not cluster.cpu:
         levers.append("ppo.offload_frozen")
     if stage == "dpo" and cfg.dpo.reference_logprobs == "online":
         levers.append("dpo.reference_logprobs=precompute")

@@ -52,7 +52,7 @@ def check_plan(stage: str, config: str, overrides: Sequence[str], cluster, force
     if not plan.fits and not force:
         name, size = plan.largest_term()
         raise ConfigError(
-            f"the planner says {stage} does not fit: {plan.total / 2**30:.1f} GiB per GPU of "
+            f"the planner says {stage} does not fit: {plan.total / 2**30:.1f} GiB per {plan.device} of "
             f"{plan.gpu_bytes / 2**30:.1f} GiB usable (largest: {name}); try {plan.suggestion}, or pass --force")
 
 

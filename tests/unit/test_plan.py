@@ -60,6 +60,29 @@ def test_planner_7b_example_by_hand():
     assert {m.name: m for m in swapped.models}["reference"].weights == 0
 
 
+def test_cpu_partition_counts_host_memory_as_the_ranks():
+    """On CPU ranks the moves to host memory free nothing (rollout/offload.py is a no-op there): the rollout
+    keeps gradients and optimizer state, ppo.offload_frozen and reference swap keep their weights in the
+    rank's memory, and neither is suggested. The reserve is the interpreter's, not a CUDA context's."""
+    cpu, gpu = Cluster(nodes=1, gpus_per_node=1, gpu_memory_gib=1000, cpu=True), Cluster(1, 1, 1000)
+    plan = plan_stage(load_for_plan("ppo", None, LLAMA2_7B), "ppo", cpu)
+    models = {m.name: m for m in plan.models}
+    assert plan.phases["rollout"] == models["policy"].kv_cache
+    for extra in (["ppo.offload_frozen=true"], ["ppo.reference_mode=swap"]):
+        cfg = load_for_plan("ppo", None, LLAMA2_7B + extra)
+        assert plan_stage(cfg, "ppo", cpu).total == plan.total
+        assert plan_stage(cfg, "ppo", gpu).total < plan_stage(load_for_plan("ppo", None, LLAMA2_7B), "ppo", gpu).total
+    # 250 GiB: on GPUs the frozen models' offload is the change that fits; on CPU ranks no single change does.
+    cfg = load_for_plan("ppo", None, LLAMA2_7B)
+    assert plan_stage(cfg, "ppo", Cluster(1, 1, 250)).suggestion == "ppo.offload_frozen=true"
+    suggestion = plan_stage(cfg, "ppo", Cluster(1, 1, 250, reserve_gib=4.0, cpu=True)).suggestion
+    assert suggestion == "no single change fits: combine more TP/PP, recompute and more nodes"
+    from megatron_rlhf.config.cluster import SlurmCluster
+
+    assert Cluster.of(SlurmCluster(nodes=2, gpus_per_node=0, ranks_per_node=4, gpu_memory_gib=12)).reserve_gib == 1.0
+    assert Cluster.of(SlurmCluster(nodes=2, gpus_per_node=8, gpu_memory_gib=80)).reserve_gib == 4.0
+
+
 def _plan(recipe, cluster, *overrides):
     from megatron_rlhf.plan.cli import cluster_from_yaml
 
@@ -233,10 +256,11 @@ def test_cpu_partition_is_planned_per_rank(capsys, tmp_path):
     tiny = os.path.join(ROOT, "examples", "tiny", "sft.yaml")
     assert cli.main(["plan", tiny, "--cluster", str(yaml)]) == 0
     out = capsys.readouterr().out
-    assert out.startswith("plan: sft on 2 GPUs (DP=2)") and "of 8.0 GiB usable" in out
-    assert "note: a CPU partition: each of the 2 ranks is planned as one device of gpu_memory_gib (12 GiB" in out
+    assert out.startswith("plan: sft on 2 CPU ranks (DP=2), GiB per CPU rank\n") and "params/rank" in out
+    assert "of 11.0 GiB usable" in out and "note: a CPU partition: each rank is planned with gpu_memory_gib (12 GiB" in out
     assert cli.main(["plan", tiny, "--cluster", str(yaml), "--json"]) == 0
-    assert json.loads(capsys.readouterr().out)["dp"] == 2
+    doc = json.loads(capsys.readouterr().out)
+    assert doc["dp"] == 2 and doc["device"] == "CPU rank"
     assert cli.main(["plan", tiny, "--gpus-per-node", "0"]) == 2
     assert capsys.readouterr().err == (
         "error: --nodes 1 and --gpus-per-node 0 must be >= 1 (a CPU partition: pass --cluster with its YAML, whose "
