@@ -2,7 +2,8 @@
 
 DPO trains the policy (`model.load`, the SFT checkpoint) on preference pairs (the reward model's data
 format: prompt, chosen, rejected) against a frozen reference (the same SFT weights); no reward model,
-no sampling during training. The `train` group sets the optimizer and `train.global_batch_size` pairs
+no sampling during training. `dpo.reference_load` takes the reference from another checkpoint (the SFT one,
+when the policy continues from a DPO run). The `train` group sets the optimizer and `train.global_batch_size` pairs
 per step; optionally, after the last step, held-out prompts are sampled from the SFT and the DPO
 policy with the same draws (`dpo.eval_prompts_path`), as PPO's summary does.
 """
@@ -20,8 +21,10 @@ from megatron_rlhf.config.fields import load_gold_scorer, require
 
 @dataclass
 class DPOSection:
-    """DPO: the policy from model.load, a frozen reference with the same weights, the DPO loss."""
+    """DPO: the policy from model.load, a frozen reference (the same weights unless reference_load), the DPO loss."""
 
+    reference_load: Optional[str] = _f(None, "frozen reference checkpoint; null = model.load. A run that starts "
+                                       "its policy from a DPO checkpoint keeps its SFT reference with it")
     beta: float = _f(0.1, "strength of the implicit KL leash: implicit reward = beta * (logp - logp_ref)")
     label_smoothing: float = _f(0.0, "assumed label-flip probability (conservative DPO), in [0, 0.5)")
     reference_logprobs: str = _f(

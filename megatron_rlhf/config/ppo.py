@@ -163,9 +163,17 @@ def critic_free(p) -> bool:
     return p.advantage_estimator != "gae"
 
 
+def _group(cfg) -> str:
+    """The config group of the stage with a frozen reference: "ppo" or "dpo"."""
+    return "ppo" if hasattr(cfg, "ppo") else "dpo"
+
+
 def reference_source(cfg) -> tuple:
-    """(checkpoint, setting) the frozen reference comes from: ppo.reference_load, else the policy's model.load."""
-    return (cfg.ppo.reference_load, "ppo.reference_load") if cfg.ppo.reference_load else (cfg.model.load, "model.load")
+    """(checkpoint, setting) the frozen reference of PPO or DPO comes from: <group>.reference_load, else the
+    policy's model.load."""
+    group = _group(cfg)
+    load = getattr(cfg, group).reference_load
+    return (load, f"{group}.reference_load") if load else (cfg.model.load, "model.load")
 
 
 def rollouts_per_iteration(p) -> int:
@@ -204,23 +212,26 @@ _SIZE = ("num_layers", "hidden_size", "ffn_hidden_size", "num_attention_heads", 
 
 
 def check_same_size(cfg, read_model_config) -> None:
-    """The reward and value models are built with the policy's architecture (one ModelConfig for all four
-    models, and the planner counts them so): a checkpoint of another size is refused here, before any work,
-    instead of a shape mismatch at load. `read_model_config`: schema's reader of a checkpoint's architecture."""
+    """PPO's reward, value and reference models and DPO's reference are built with the policy's architecture
+    (one ModelConfig for all, and the planner counts them so): a checkpoint of another size is refused here,
+    before any work, instead of a shape mismatch at load. `read_model_config`: schema's reader of a
+    checkpoint's architecture."""
+    group = _group(cfg)
     policy = {f: getattr(cfg.model, f) for f in _SIZE}
-    for key in ("reward_load", "value_load", "reference_load"):
-        path = getattr(cfg.ppo, key)
+    for key in ("reward_load", "value_load", "reference_load") if group == "ppo" else ("reference_load",):
+        path = getattr(getattr(cfg, group), key)
         arch = read_model_config(path) if path and paths_exist(path) else None
         if arch is None:
             continue
         theirs = {f: getattr(arch, f) for f in _SIZE}
         diff = [f for f in _SIZE if theirs[f] != policy[f]]
         if diff:
+            fix = ("give the checkpoint the policy started from (SFT)" if key == "reference_load" else
+                   "train the reward model from the SFT checkpoint (stage 2, model.load)")
             raise ConfigError(
-                f"ppo.{key}: the model in {path} has {', '.join(f'{f}={theirs[f]}' for f in diff)} but the policy has "
-                f"{', '.join(f'{f}={policy[f]}' for f in diff)}: a reference, reward or value model of another size "
-                "than the policy is not supported; train the reward model from the SFT checkpoint (stage 2, "
-                "model.load)")
+                f"{group}.{key}: the model in {path} has {', '.join(f'{f}={theirs[f]}' for f in diff)} but the policy "
+                f"has {', '.join(f'{f}={policy[f]}' for f in diff)}: a reference, reward or value model of another "
+                f"size than the policy is not supported; {fix}")
 
 
 def check_ppo_layout(cfg, dp_size: int) -> None:

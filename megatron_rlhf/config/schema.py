@@ -414,6 +414,7 @@ def validate(cfg: Any) -> None:
         check_same_size(cfg, read_model_config)
     if isinstance(cfg, DPOConfig):
         validate_dpo(cfg)
+        check_same_size(cfg, read_model_config)
     if isinstance(cfg, RMConfig):
         cal = cfg.calibration
         _require(cal.num_prompts >= 1, f"calibration.num_prompts={cal.num_prompts} must be >= 1")

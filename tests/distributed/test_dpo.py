@@ -1,9 +1,10 @@
 """DPO end to end on CPU (torchrun, gloo) from the shared tiny SFT policy and its true-score pairs (`base`).
 
-One test, three short runs of `megatron-rlhf dpo` on 512 of those pairs: TP=1 x DP=2 with precomputed
+One test, four short runs of `megatron-rlhf dpo` on 512 of those pairs: TP=1 x DP=2 with precomputed
 reference logprobs (the true reward of held-out samples rises), a run resumed from that run's step-5
-checkpoint (bit-identical metrics and summary), and TP=2 with online reference logprobs (equal within fp32
-tolerance).
+checkpoint (bit-identical metrics and summary), TP=2 with online reference logprobs (equal within fp32
+tolerance), and a new run whose policy continues from the first run's DPO weights against the SFT reference
+(`dpo.reference_load`).
 """
 
 import json
@@ -81,3 +82,16 @@ def test_dpo_raises_true_reward_resumes_exactly_and_tp2_online_matches(base, tmp
             if key == "eval/reward_accuracy" or key.startswith("eval/summary"):
                 continue  # the summary is off here; an accuracy counts pairs on either side of 0
             assert c[step][key] == pytest.approx(value, rel=1e-3, abs=1e-4), (step, key)
+
+    # A new run from the DPO weights keeps the SFT reference with dpo.reference_load: its first loss is below
+    # log 2 (the policy already prefers the chosen responses), and the evaluation, which loads the freed
+    # reference again, samples the same SFT responses as the first run.
+    again = tmp_path / "again"
+    torchrun(CLI, *dpo_args(base, pairs, again, **{"model.load": straight / "checkpoints", "train.train_steps": 1,
+                                                   "dpo.reference_load": base / "sft" / "checkpoints",
+                                                   "checkpoint.save_interval": 0}), nproc=2, timeout=600)
+    first = rows(again)[1]
+    assert first["train/loss"] < 0.68 and first["train/chosen_reward"] != 0, first
+    again_summary = json.loads((again / "summary.json").read_text())
+    for key in ("true_reward_sft", "greedy_true_reward_sft", "response_length_sft"):
+        assert again_summary[key] == summary[key], key

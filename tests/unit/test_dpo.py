@@ -106,6 +106,27 @@ def test_bad_dpo_settings_fail_in_one_line_naming_the_key(paths, override, culpr
     assert "\n" not in message and culprit in message, message
 
 
+def test_reference_load_sets_the_reference_and_must_match_the_policy(paths, tmp_path):
+    """dpo.reference_load (a policy continuing from a DPO run keeps its SFT reference) is where the reference
+    comes from; a checkpoint of another size is refused by the config check, before any work."""
+    from megatron_rlhf.config import model_file
+    from megatron_rlhf.config.ppo import reference_source
+    from megatron_rlhf.models.spec import ModelConfig
+
+    cfg = C.load_config(C.DPOConfig, None, paths)
+    assert reference_source(cfg) == (str(tmp_path / "sft"), "model.load")
+    cfg = C.load_config(C.DPOConfig, None, paths + [f"dpo.reference_load={tmp_path / 'sft'}"])
+    assert reference_source(cfg) == (str(tmp_path / "sft"), "dpo.reference_load")
+    arch = {f: getattr(cfg.model, f) for f in ("num_layers", "hidden_size", "ffn_hidden_size", "num_attention_heads",
+                                                "num_query_groups", "vocab_size", "max_position_embeddings")}
+    other = str(tmp_path / "other")
+    model_file.write_model_config(ModelConfig(**{**arch, "num_layers": arch["num_layers"] + 1}), other)
+    with pytest.raises(C.ConfigError, match=rf"^dpo.reference_load: the model in .* has num_layers="
+                                            rf"{arch['num_layers'] + 1} but the policy has num_layers="
+                                            rf"{arch['num_layers']}: .*; give the checkpoint the policy started from"):
+        C.load_config(C.DPOConfig, None, paths + [f"dpo.reference_load={other}"])
+
+
 def test_eval_prompts_need_a_sampling_layout(paths, tmp_path):
     prompts = tmp_path / "prompts.jsonl"
     prompts.write_text('{"prompt": "a"}\n')
@@ -125,7 +146,6 @@ def test_the_evaluation_samples_the_runs_own_online_reference(paths, tmp_path, m
     loads the reference again."""
     from types import SimpleNamespace
 
-    from megatron_rlhf.checkpoint import state as ckpt
     from megatron_rlhf.trainer.dpo import eval as dpo_eval
     from megatron_rlhf.trainer.dpo import fit
 
@@ -133,10 +153,9 @@ def test_the_evaluation_samples_the_runs_own_online_reference(paths, tmp_path, m
     prompts.write_text('{"prompt": "a"}\n')
     cfg = C.load_config(C.DPOConfig, None, paths + [f"dpo.eval_prompts_path={prompts}", "data.max_prompt_len=64",
                                                     f"dpo.reference_logprobs={mode}", "tokenizer.allow_swap=true"])
-    built, loaded, sampled = [torch.nn.Linear(1, 1)], [torch.nn.Linear(1, 1)], []
-    monkeypatch.setattr(fit, "build_reference", lambda cfg, ctx: built)
+    built, sampled = [], []  # each reference build_reference made, each reference the evaluation sampled with
+    monkeypatch.setattr(fit, "build_reference", lambda cfg, tokenizer: built.append([torch.nn.Linear(1, 1)]) or built[-1])
     monkeypatch.setattr(fit, "precompute_table", lambda *a: torch.zeros(0, 2))
-    monkeypatch.setattr(ckpt, "load_model", lambda *a, **k: loaded)
     monkeypatch.setattr(dpo_eval.D, "load_examples", lambda *a, **k: ({"prompt_ids": [[1, 2]]}, None))
     monkeypatch.setattr(dpo_eval, "sample_and_score",
                         lambda policy, reference, *a: sampled.append(reference) or {"response_length": 1.0})
@@ -145,4 +164,5 @@ def test_the_evaluation_samples_the_runs_own_online_reference(paths, tmp_path, m
     stage.prepare(cfg, ctx, SimpleNamespace(train=[], eval=None), None)
     out = stage.finalize(cfg, [torch.nn.Linear(1, 1)], None, 0, 1, None)
     assert "summary" in out and len(sampled) == 4  # (sft, dpo) x (sampled, greedy)
-    assert all(r is (built if mode == "online" else loaded) for r in sampled)
+    assert len(built) == (1 if mode == "online" else 2)  # precompute freed the first: built again
+    assert all(r is built[-1] for r in sampled)

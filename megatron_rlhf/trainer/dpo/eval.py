@@ -1,4 +1,4 @@
-"""DPO's end-of-run evaluation: the SFT and the DPO policy sampled on the same held-out prompts.
+"""DPO's end-of-run evaluation: the reference (SFT) and the DPO policy sampled on the same held-out prompts.
 
 After the last step (Stage.finalize), with `dpo.eval_prompts_path` set: the first `dpo.eval_prompts`
 prompts, split over data-parallel ranks, are sampled from the reference (the SFT policy) and from the
@@ -14,7 +14,7 @@ keys of PPO's summary, `dpo` in place of `ppo`:
 from __future__ import annotations
 
 import dataclasses
-from typing import Dict, List
+from typing import Callable, Dict, List
 
 import torch
 
@@ -61,24 +61,21 @@ def sample_and_score(policy, reference, prompts: List[List[int]], cfg, tokenizer
     return _means(values, ps.get_data_parallel_group())
 
 
-def summary_pass(cfg, chunks, tokenizer, dp_rank: int, dp_size: int, log, kept=None) -> Dict[str, dict]:
+def summary_pass(cfg, chunks, tokenizer, dp_rank: int, dp_size: int, log, *, kept: dict,
+                 build_reference: Callable) -> Dict[str, dict]:
     """Stage.finalize of DPO: {"summary": {...}} (-> summary.json and eval/summary_*), or {} when
     `dpo.eval_prompts_path` is not set. `kept`: the dict in which trainer/dpo/fit.py `prepare` keeps the
-    reference it built when it stays for the run (`online`); else the reference is loaded again."""
+    reference it built when it stays for the run (`online`); else the reference is loaded again with
+    `build_reference(cfg, tokenizer)` (fit.py's, the one `prepare` uses)."""
     d = cfg.dpo
     if d.eval_prompts_path is None:
         return {}
-    from megatron_rlhf.checkpoint import state as ckpt
-    from megatron_rlhf.trainer.ppo.models import freeze
-    from megatron_rlhf.trainer.run import expected_tokenizer
-
     prompt_cfg = dataclasses.replace(cfg.data, train_path=d.eval_prompts_path, eval_path=None)
     rows, _ = D.load_examples("prompt", prompt_cfg, tokenizer, log=log)
     prompts = list(rows["prompt_ids"])
-    reference = (kept or {}).get("reference")
+    reference = kept.get("reference")
     if reference is None:  # with reference_logprobs=precompute it was freed before training: loaded again
-        reference = freeze(ckpt.load_model(cfg.model.load, cfg.model.to_model_config(), cfg.parallel, "policy",
-                                           "lm", fp8=cfg.fp8, tokenizer=expected_tokenizer(cfg, tokenizer)))
+        reference = build_reference(cfg, tokenizer)
     gold = load_gold_scorer(d.gold_scorer)
     out: Dict[str, float] = {}
     for greedy in (False, True):

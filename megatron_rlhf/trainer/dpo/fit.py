@@ -7,7 +7,8 @@ head, and a loss on per-sequence log-probabilities of the responses:
     logp(y | x) = sum over response tokens t of log pi(y_t | x, y_<t)        [2b] per batch
     loss        = algo.losses.dpo_loss(logp_w, logp_l, ref_w, ref_l, beta, label_smoothing)
 
-The reference (the SFT weights of `model.load`; no DDP, optimizer or gradients) gives ref_w, ref_l:
+The reference (the SFT weights of `model.load`, or `dpo.reference_load`; no DDP, optimizer or gradients)
+gives ref_w, ref_l:
 `dpo.reference_logprobs=precompute` computes them for every pair of the train and eval sets once,
 before the policy is built (each data-parallel rank a contiguous share; one all-reduce makes the
 [N, 2] table whole on every rank), then frees the reference; `online` keeps the reference and runs
@@ -80,12 +81,18 @@ def _stage_loss(output, batch, **kw):
 # --------------------------------------------------------------------------- the frozen reference
 
 
-def build_reference(cfg, ctx) -> List[torch.nn.Module]:
-    """The SFT weights of `model.load` in the training layout, frozen (eval mode, no grad, no DDP)."""
+def build_reference(cfg, tokenizer) -> List[torch.nn.Module]:
+    """The reference's weights (`dpo.reference_load`, else the SFT weights of `model.load`) in the training
+    layout, frozen (eval mode, no grad, no DDP). Before training (`prepare`) and again for the evaluation
+    after it when `precompute` freed it (trainer/dpo/eval.py)."""
+    from megatron_rlhf.checkpoint import state as ckpt
+    from megatron_rlhf.config.ppo import reference_source
     from megatron_rlhf.trainer.ppo.models import freeze
-    from megatron_rlhf.trainer.run import build_frozen
+    from megatron_rlhf.trainer.run import expected_tokenizer
 
-    return freeze(build_frozen(cfg, ctx, "lm", cfg.model.load, "policy"))
+    load, key = reference_source(cfg)
+    return freeze(ckpt.load_model(load, cfg.model.to_model_config(), cfg.parallel, "policy", "lm", fp8=cfg.fp8,
+                                  key=key, tokenizer=expected_tokenizer(cfg, tokenizer)))
 
 
 def reference_logps(reference, mbs: List[Batch], vocab_size: int) -> List[torch.Tensor]:
@@ -122,7 +129,7 @@ def prepare(cfg, ctx, splits, pad_to, kept: Optional[dict] = None) -> Callable:
     """Stage.prepare: the reference, then `attach(split, mbs, indices)` adding `ref_logps` [2b] per micro-batch.
     A reference that stays for the run (`online`) is also put in `kept["reference"]`, for the evaluation."""
     vocab, log = ctx.model_cfg.vocab_size, ctx.log
-    reference = build_reference(cfg, ctx)
+    reference = build_reference(cfg, ctx.tokenizer)
     if cfg.dpo.reference_logprobs == "online":
         if kept is not None:
             kept["reference"] = reference
@@ -166,7 +173,7 @@ def dpo_stage(cfg) -> Stage:
                                   label_smoothing=d.label_smoothing),
         stat_names=STATS,
         init_source="policy",
-        finalize=functools.partial(summary_pass, kept=kept),
+        finalize=functools.partial(summary_pass, kept=kept, build_reference=build_reference),
         prepare=functools.partial(prepare, kept=kept),
     )
 
