@@ -157,6 +157,11 @@ class VLLMRolloutEngine(RolloutEngine):
         # rebuilds its cos/sin cache from the config and keeps it), so the line says nothing, every iteration.
         logging.getLogger("vllm.model_executor.model_loader.reload.layerwise").addFilter(
             lambda record: "RotaryEmbedding: Failed to load weights" not in record.getMessage())
+        # Token ids go in and out (skip_tokenizer_init; the EOS is the tokenizer's, a stop token of each request),
+        # so vLLM's warm-up of a chat template and its lookup of the tokenizer's BOS/EOS fail by design: they
+        # would print a traceback and a warning per rank that say only that there is no tokenizer.
+        logging.getLogger("vllm.renderers.base").addFilter(lambda record: not record.getMessage().startswith(
+            ("Chat template warmup failed", "Using None for BOS token id", "Using None for EOS token id")))
 
         extra = {"data_parallel_size": world // tp} if world > tp else {}
         with kept_process_state():

@@ -30,9 +30,11 @@ def test_ppo_with_vllm_raises_the_true_reward_and_resumes_exactly(base, tmp_path
     # The same run stopped after iteration 1 and resumed repeats the straight run's first iterations bit for bit.
     resumed = tmp_path / "resumed"
     for stop in (1, 2):
-        torchrun(CLI, *ppo_args(base, resumed, **VLLM, **LEARNING, **{"train.exit_at_step": stop}), nproc=2,
-                 timeout=600)
+        out = torchrun(CLI, *ppo_args(base, resumed, **VLLM, **LEARNING, **{"train.exit_at_step": stop}), nproc=2,
+                       timeout=600)
         assert max(rows(resumed)) == stop
+        # vLLM runs without a tokenizer on purpose: its failed chat-template warm-up prints no traceback
+        assert "Traceback" not in out.stdout + out.stderr, (out.stdout + out.stderr)[-3000:]
     a, b = rows(straight), rows(resumed)
     assert sorted(b) == [0, 1, 2]
     for step in b:
