@@ -118,6 +118,20 @@ def engine_options(settings: VLLMSection, params_dtype: str, on_gpu: bool) -> di
     return opts
 
 
+# What vLLM logs that says nothing in this engine, by logger (parts of the message): filtered out of the log.
+QUIET_LOGS = {
+    # every reload: the rotary embedding got no weights. It has none in a checkpoint (vLLM rebuilds its cos/sin
+    # cache from the config and keeps it).
+    "vllm.model_executor.model_loader.reload.layerwise": ("RotaryEmbedding: Failed to load weights",),
+    # token ids go in and out (skip_tokenizer_init; the EOS is the tokenizer's, a stop token of each request),
+    # so its start-up's warm-up of a chat template (a traceback) and its BOS/EOS lookups fail by design
+    "vllm.renderers.base": ("Chat template warmup failed", "Using None for BOS token id",
+                            "Using None for EOS token id"),
+    # its own calls at start-up, while the engine keeps the process's thread count (kept_process_state)
+    "vllm.v1.worker.cpu_worker": ("CPU backend doesn't allow to use `torch.set_num_threads`",),
+}
+
+
 class VLLMRolloutEngine(RolloutEngine):
     """vLLM in the generation layout TP = tp, DP = world / tp, colocated with training (module docstring)."""
 
@@ -153,15 +167,8 @@ class VLLMRolloutEngine(RolloutEngine):
         os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")  # not two INFO lines per rank per iteration
         from vllm import LLM
 
-        # Every reload warns that the rotary embedding got no weights: it has none in a checkpoint (vLLM
-        # rebuilds its cos/sin cache from the config and keeps it), so the line says nothing, every iteration.
-        logging.getLogger("vllm.model_executor.model_loader.reload.layerwise").addFilter(
-            lambda record: "RotaryEmbedding: Failed to load weights" not in record.getMessage())
-        # Token ids go in and out (skip_tokenizer_init; the EOS is the tokenizer's, a stop token of each request),
-        # so vLLM's warm-up of a chat template and its lookup of the tokenizer's BOS/EOS fail by design: they
-        # would print a traceback and a warning per rank that say only that there is no tokenizer.
-        logging.getLogger("vllm.renderers.base").addFilter(lambda record: not record.getMessage().startswith(
-            ("Chat template warmup failed", "Using None for BOS token id", "Using None for EOS token id")))
+        for name, said in QUIET_LOGS.items():
+            logging.getLogger(name).addFilter(lambda record, said=said: not any(s in record.getMessage() for s in said))
 
         extra = {"data_parallel_size": world // tp} if world > tp else {}
         with kept_process_state():

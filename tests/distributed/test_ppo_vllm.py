@@ -33,8 +33,11 @@ def test_ppo_with_vllm_raises_the_true_reward_and_resumes_exactly(base, tmp_path
         out = torchrun(CLI, *ppo_args(base, resumed, **VLLM, **LEARNING, **{"train.exit_at_step": stop}), nproc=2,
                        timeout=600)
         assert max(rows(resumed)) == stop
-        # vLLM runs without a tokenizer on purpose: its failed chat-template warm-up prints no traceback
-        assert "Traceback" not in out.stdout + out.stderr, (out.stdout + out.stderr)[-3000:]
+        # vLLM runs without a tokenizer on purpose and its thread count is the engine's: what it logs about
+        # that at start-up (a traceback, warnings on every rank) is not printed (vllm_engine.QUIET_LOGS)
+        text = out.stdout + out.stderr
+        for said in ("Traceback", "Using None for EOS", "torch.set_num_threads"):
+            assert said not in text, (said, text[-3000:])
     a, b = rows(straight), rows(resumed)
     assert sorted(b) == [0, 1, 2]
     for step in b:
