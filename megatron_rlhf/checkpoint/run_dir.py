@@ -19,7 +19,8 @@ from pathlib import Path
 from typing import Callable, Dict, List, Optional
 
 from megatron_rlhf.checkpoint.damage import CheckpointError
-from megatron_rlhf.checkpoint.state import LATEST, RunRecord, read_run_record
+from megatron_rlhf.checkpoint.record import RunRecord, read_run_record
+from megatron_rlhf.checkpoint.state import LATEST
 
 LOCK_FILE = ".lock"
 _HELD: Dict[str, object] = {}  # resolved dir -> open lock file, kept open while this process lives

@@ -25,8 +25,6 @@ import errno
 import json
 import os
 import shutil
-import uuid
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Dict, List, Optional, Tuple, Union
 
@@ -40,63 +38,16 @@ from megatron_rlhf.checkpoint.damage import (  # noqa: F401 - CheckpointError is
     load_rng_collectively,
     unusable_checkpoint_message,
 )
+from megatron_rlhf.checkpoint.record import (  # noqa: F401 - RunRecord and check_tokenizer are imported from here
+    RUN_RECORD,
+    RunRecord,
+    check_tokenizer,
+    read_run_record,
+)
 
 LATEST = "latest"
 _PREFIX = "step_"
 _TMP_PREFIX = ".tmp-"
-RUN_RECORD = "run.json"  # in each step directory: {"stage": ..., "run_id": ..., "tokenizer": {...}}
-
-
-@dataclass(frozen=True)
-class RunRecord:
-    """Which stage (sft, rm, ppo, dpo) and which run wrote a checkpoint; a resumed run keeps its run_id.
-    `tokenizer`: the fingerprint of the run's tokenizer (data/tokenizer.py), checked by `check_tokenizer`."""
-
-    stage: str
-    run_id: str
-    tokenizer: Optional[dict] = None
-
-    @staticmethod
-    def new(stage: str, tokenizer: Optional[dict] = None) -> "RunRecord":
-        return RunRecord(stage, uuid.uuid4().hex, tokenizer)
-
-
-def read_run_record(step_dir: Path) -> Optional[RunRecord]:
-    """The record of a step directory; None for checkpoints written before records existed (or converted)."""
-    try:
-        raw = json.loads((Path(step_dir) / RUN_RECORD).read_text())
-        tok = raw.get("tokenizer")
-        return RunRecord(str(raw["stage"]), str(raw["run_id"]), tok if isinstance(tok, dict) else None)
-    except (OSError, ValueError, KeyError, TypeError, AttributeError):
-        return None
-
-
-def check_tokenizer(step_dir: Path, current: Optional[dict], key: str) -> None:
-    """CheckpointError (one line naming both tokenizer directories) if `step_dir` was trained with another
-    tokenizer than `current` (a fingerprint). No check when either is missing: `current` None means
-    tokenizer.allow_swap=true (a deliberate swap), and checkpoints written before fingerprints existed, or
-    converted from HF, record none, so they load as before."""
-    record = read_run_record(step_dir)
-    recorded = record.tokenizer if record is not None else None
-    if current is None or recorded is None:
-        return
-    if recorded.get("vocab") == current.get("vocab") and recorded.get("special") == current.get("special"):
-        return
-    raise CheckpointError(
-        f"{key}: {step_dir} was trained with the tokenizer in '{recorded.get('path')}', and tokenizer.path "
-        f"'{current.get('path')}' is another one ({_tokenizer_difference(recorded, current)}): the model would "
-        f"read token ids that mean other words; set tokenizer.path to '{recorded.get('path')}' (or a copy), or "
-        "tokenizer.allow_swap=true to swap tokenizers deliberately")
-
-
-def _tokenizer_difference(recorded: dict, current: dict) -> str:
-    if recorded.get("size") != current.get("size"):
-        return f"{recorded.get('size')} tokens there, {current.get('size')} here"
-    if recorded.get("vocab") != current.get("vocab"):
-        return f"both have {current.get('size')} tokens, mapped to other ids"
-    was, now = recorded.get("special") or {}, current.get("special") or {}
-    return "the same vocabulary, other special tokens: " + "; ".join(
-        f"{n} {was.get(n)} there, {now.get(n)} here" for n in sorted(set(was) | set(now)) if was.get(n) != now.get(n))
 
 
 def _unwrap(chunk):
