@@ -128,11 +128,17 @@ def saved_layout(path: Path, optimizers: Dict[str, Any]) -> dict:
 
 
 def _new_run_from(path: Path, models) -> str:
-    """How a new run starts from the weights of a checkpoint holding `models` (names), without its optimizers."""
-    if "value" in models:  # PPO: without ppo.reference_load the reference would be this policy (model.load)
-        return (f"start a new run (another logging.run_dir) from its weights with model.load={path} "
-                f"ppo.value_load={path} ppo.reference_load=<the SFT checkpoint it started from>")
-    return f"start a new run (another logging.run_dir) from its weights with model.load={path}"
+    """How a new run starts from the weights of a checkpoint holding `models` (names), without its optimizers.
+    PPO's and DPO's need their reference named: without it, it would be this policy (model.load)."""
+    from megatron_rlhf.checkpoint.record import read_run_record
+
+    start = f"start a new run (another logging.run_dir) from its weights with model.load={path}"
+    if "value" in models:  # PPO
+        return f"{start} ppo.value_load={path} ppo.reference_load=<the SFT checkpoint it started from>"
+    record = read_run_record(path)
+    if record is not None and record.stage == "dpo":
+        return f"{start} dpo.reference_load=<the SFT checkpoint it started from>"
+    return start
 
 
 def _inner(optimizer) -> list:

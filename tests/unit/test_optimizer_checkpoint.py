@@ -82,6 +82,16 @@ def test_a_ppo_checkpoint_names_how_a_new_run_takes_its_policy_and_value(world, 
         "started from>")
 
 
+def test_a_dpo_checkpoint_names_its_reference_for_a_new_run(world, tmp_path):
+    policy = tiny_trainable("float32", seed=0)[0]
+    train_once(policy, 0)
+    step_dir = ckpt.save_checkpoint(tmp_path, 1, *checkpoint_objects(policy=policy), {}, run=ckpt.RunRecord.new("dpo"))
+    with pytest.raises(ckpt.CheckpointError) as e:
+        ckpt.load_checkpoint(step_dir, *checkpoint_objects(policy=tiny_trainable("float32", seed=2, distributed=False)[0]))
+    assert str(e.value).endswith(f"weights with model.load={step_dir} dpo.reference_load=<the SFT checkpoint it "
+                                 "started from>")
+
+
 def test_two_distributed_optimizers_share_a_checkpoint(world, tmp_path):
     """PPO's policy and value in one checkpoint, each with its distributed optimizer: Megatron keys both
     optimizers' shards alike, so without the model's name in front of its optimizer's keys the save failed
