@@ -47,8 +47,9 @@ def cluster_from_yaml(path: str) -> Cluster:
     return Cluster.of(load_cluster(path, []))
 
 
-def _gib(x: float) -> str:
-    return f"{x / GIB:7.1f}"
+def _gib(x: float, width: int = 7) -> str:
+    """Bytes as GiB to one decimal; a phase that frees a few bytes shows 0.0, not -0.0."""
+    return f"{round(x / GIB, 1) + 0.0:{width}.1f}"
 
 
 def format_plan(plan: Plan) -> str:
@@ -61,7 +62,7 @@ def format_plan(plan: Plan) -> str:
         flag = "" if m.resident else f"  ({m.away})"
         lines.append(f"{m.name:<10} {m.layout:<18} {m.params_per_gpu:>13,} {_gib(m.weights)} {_gib(m.gradients)} "
                      f"{_gib(m.optimizer)} {_gib(m.activations)} {_gib(m.kv_cache + m.generation_weights)}{flag}")
-    phases = ", ".join(f"{k} {v / GIB:.1f}" for k, v in plan.phases.items())
+    phases = ", ".join(f"{k} {_gib(v, 0)}" for k, v in plan.phases.items())
     lines.append(f"resident state {plan.state / GIB:.1f} GiB; phases (extra GiB): {phases}")
     name, size = plan.largest_term()
     verdict = "fits" if plan.fits else "does not fit"

@@ -265,3 +265,10 @@ def test_cpu_partition_is_planned_per_rank(capsys, tmp_path):
     assert capsys.readouterr().err == (
         "error: --nodes 1 and --gpus-per-node 0 must be >= 1 (a CPU partition: pass --cluster with its YAML, whose "
         "ranks_per_node the planner counts)\n")
+
+
+def test_a_phase_that_frees_a_few_bytes_shows_zero(capsys):
+    """The tiny PPO's rollout frees its gradients and optimizer state (a few hundred KB): 0.0 GiB, not -0.0."""
+    assert cli.main(["plan", os.path.join(EX, "tiny", "ppo.yaml"), "--gpus-per-node", "2"]) == 0
+    out = capsys.readouterr().out
+    assert "rollout 0.0," in out and "-0.0" not in out, out
