@@ -5,7 +5,8 @@ Three kinds of rows (field names come from `DataConfig`):
 * ``"sft"``: ``{prompt, response}`` or ``{messages: [{role, content}, ...]}`` (chat template of the
   tokenizer; loss on assistant tokens only) -> ``input_ids``, ``loss_mask`` (1 where the token is a
   response token the model must predict; aligned with ``input_ids``).
-* ``"preference"``: ``{prompt, chosen, rejected}`` -> ``chosen_ids``, ``rejected_ids`` (both start
+* ``"preference"``: ``{prompt, chosen, rejected}``, or conversational pairs whose ``chosen`` and
+  ``rejected`` are message lists (`_Tokenize._chat_pair`) -> ``chosen_ids``, ``rejected_ids`` (both start
   with the prompt) and ``prompt_len``.
 * ``"prompt"``: ``{prompt}`` or ``{messages}`` (rendered with the generation prompt) -> ``prompt_ids``.
 
@@ -29,7 +30,7 @@ import json
 import os
 from collections import Counter
 from dataclasses import dataclass
-from typing import Any, Callable, Dict, List, Optional, Sequence
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
 
@@ -170,6 +171,8 @@ def _text(row: Dict[str, Any], name: str) -> str:
 
 
 def _messages(row: Dict[str, Any], name: str) -> List[Dict[str, str]]:
+    if row.get(name) is None:
+        raise _BadRow(f"missing {name}")
     value = row[name]
     if not isinstance(value, list):
         raise _BadRow(f"wrong type {name}")
@@ -292,11 +295,14 @@ class _Tokenize:
 
     def _preference(self, row: Dict[str, Any]) -> Dict[str, Any]:
         c = self.cfg
-        prompt = self._encode(_text(row, c.prompt_field), special=True)
-        chosen_text, rejected_text = _text(row, c.chosen_field), _text(row, c.rejected_field)
-        if chosen_text == rejected_text:
-            raise _BadRow(f"{c.chosen_field} equals {c.rejected_field}")
-        chosen, rejected = prompt + self._response(chosen_text), prompt + self._response(rejected_text)
+        if isinstance(row.get(c.chosen_field), list) or isinstance(row.get(c.rejected_field), list):
+            prompt, chosen, rejected = self._chat_pair(row)
+        else:
+            prompt = self._encode(_text(row, c.prompt_field), special=True)
+            chosen_text, rejected_text = _text(row, c.chosen_field), _text(row, c.rejected_field)
+            if chosen_text == rejected_text:
+                raise _BadRow(f"{c.chosen_field} equals {c.rejected_field}")
+            chosen, rejected = prompt + self._response(chosen_text), prompt + self._response(rejected_text)
         if chosen == rejected:  # texts that differ only where the tokenizer does not look (whitespace): no signal
             raise _BadRow(f"{c.chosen_field} equals {c.rejected_field} once tokenized")
         status = _OK
@@ -307,6 +313,42 @@ class _Tokenize:
             if chosen == rejected:  # the difference was cut off: no signal left
                 return {_STATUS: _OVERLONG}
         return {"chosen_ids": chosen, "rejected_ids": rejected, "prompt_len": len(prompt), _STATUS: status}
+
+    def _chat_pair(self, row: Dict[str, Any]) -> Tuple[List[int], List[int], List[int]]:
+        """A conversational pair -> (prompt ids, chosen ids, rejected ids), both sequences starting with the prompt.
+
+        `chosen` and `rejected` are message lists, as preference datasets on the Hub write them: whole
+        conversations sharing every turn before their last (the prompt; a text `prompt` field beside them is
+        not read), or one answer turn each after a `prompt` that is itself a message list. The prompt is
+        rendered with the generation prompt, as PPO renders its prompts, and each answer ends after its first
+        EOS (the end of its turn, where a sampled response ends; EOS appended with `data.append_eos` when the
+        template ends turns with another token), so the reward model sees what PPO will show it."""
+        c = self.cfg
+        chosen, rejected = _messages(row, c.chosen_field), _messages(row, c.rejected_field)
+        if isinstance(row.get(c.prompt_field), list):
+            prompt = _messages(row, c.prompt_field)
+        else:
+            if chosen[:-1] != rejected[:-1]:
+                raise _BadRow(f"{c.chosen_field} and {c.rejected_field} differ before their last turn")
+            if len(chosen) < 2:
+                raise _BadRow(f"no turns before the answer in {c.chosen_field}")
+            prompt, chosen, rejected = chosen[:-1], chosen[-1:], rejected[-1:]
+        if len(chosen) != 1 or len(rejected) != 1 or any(m["role"] != "assistant" for m in chosen + rejected):
+            raise _BadRow(f"{c.chosen_field} and {c.rejected_field} must end in one assistant turn each")
+        if chosen == rejected:
+            raise _BadRow(f"{c.chosen_field} equals {c.rejected_field}")
+        head = self._template(prompt, generation_prompt=True)
+
+        def sequence(answer: List[Dict[str, str]]) -> List[int]:
+            ids = self._template(prompt + answer, generation_prompt=False)
+            if ids[: len(head)] != head:
+                raise _BadRow("chat template is not prefix-stable")
+            turn = ids[len(head):]
+            if self.eos in turn:
+                return head + turn[: turn.index(self.eos) + 1]
+            return head + turn + ([self.eos] if c.append_eos else [])
+
+        return head, sequence(chosen), sequence(rejected)
 
     def _prompt(self, row: Dict[str, Any]) -> Dict[str, Any]:
         c = self.cfg

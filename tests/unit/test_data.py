@@ -312,6 +312,60 @@ def test_preference_rows(tmp_path, tok):
     assert row["rejected_ids"] == prompt + ids(tok, "2") + [tok.eos_token_id]
 
 
+def test_conversational_preference_rows(tmp_path, chat_tok):
+    """chosen/rejected as message lists (preference datasets on the Hub): whole conversations sharing the turns
+    before the answer, or answer turns after a prompt of messages. The prompt is rendered as PPO renders it
+    (generation prompt), and each answer ends after its first EOS, or gets one (data.append_eos)."""
+    import copy
+
+    user = {"role": "user", "content": "w1 w2"}
+    good, bad = {"role": "assistant", "content": "w3"}, {"role": "assistant", "content": "w4 w5"}
+    rows = [
+        {"prompt": "w1 w2", "chosen": [user, good], "rejected": [user, bad]},  # whole conversations
+        {"prompt": [user], "chosen": [good], "rejected": [bad]},  # the prompt as turns
+        {"chosen": [user, good], "rejected": [{"role": "user", "content": "w9"}, bad]},
+        {"chosen": [good], "rejected": [bad]},
+        {"prompt": [user], "chosen": [good], "rejected": [good]},
+        {"prompt": [user], "chosen": [user], "rejected": [bad]},
+        {"prompt": [user], "chosen": [good]},
+    ]
+    path = write_lines(tmp_path / "chat_pairs.jsonl", rows)
+    ds, report = D.load_examples("preference", cfg(max_bad_fraction=1.0), chat_tok, path, log=None)
+    assert report.bad == {"chosen and rejected differ before their last turn": 1,
+                          "no turns before the answer in chosen": 1, "chosen equals rejected": 1,
+                          "chosen and rejected must end in one assistant turn each": 1, "missing rejected": 1}
+    head = ["<bos>", "user", "w1", "w2", "<end>", "assistant"]
+    assert chat_tok.convert_ids_to_tokens(chat_tok.apply_chat_template([user], add_generation_prompt=True, return_dict=False)) == head
+    for row in ds:
+        assert row["prompt_len"] == len(head)
+        assert chat_tok.convert_ids_to_tokens(row["chosen_ids"]) == head + ["w3", "<end>", "<eos>"]
+        assert chat_tok.convert_ids_to_tokens(row["rejected_ids"]) == head + ["w4", "w5", "<end>", "<eos>"]
+    # A template that ends each turn with EOS (ChatML's <|im_end|>) and more: the answer stops after the EOS.
+    eos_tok = copy.deepcopy(chat_tok)
+    eos_tok.chat_template = chat_tok.chat_template.replace("<end>", "<eos> <end>")
+    ds, _ = D.load_examples("preference", cfg(max_bad_fraction=1.0), eos_tok, path, log=None)
+    assert eos_tok.convert_ids_to_tokens(ds[0]["chosen_ids"]) == [
+        "<bos>", "user", "w1", "w2", "<eos>", "<end>", "assistant", "w3", "<eos>"]
+
+
+def test_conversational_pairs_of_the_real_model_end_at_its_eos(tmp_path, smollm2):
+    """SmolLM2's ChatML: the prompt ends with the generation prompt, the answer with <|im_end|> (no newline)."""
+    from transformers import AutoTokenizer
+
+    from megatron_rlhf.checkpoint.hf import TOKENIZER_DIR
+
+    real = AutoTokenizer.from_pretrained(smollm2["megatron"] / TOKENIZER_DIR)
+    user = {"role": "user", "content": "Sort 3 1 2"}
+    row = {"chosen": [user, {"role": "assistant", "content": "1 2 3"}],
+           "rejected": [user, {"role": "assistant", "content": "3 2 1"}]}
+    ds, _ = D.load_examples("preference", cfg(max_seq_len=256), real, write_lines(tmp_path / "p.jsonl", [row]),
+                            log=None)
+    n = ds[0]["prompt_len"]
+    assert real.decode(ds[0]["chosen_ids"][:n]).endswith("<|im_start|>user\nSort 3 1 2<|im_end|>\n<|im_start|>assistant\n")
+    assert real.decode(ds[0]["chosen_ids"][n:]) == "1 2 3<|im_end|>"
+    assert real.decode(ds[0]["rejected_ids"][n:]) == "3 2 1<|im_end|>"
+
+
 def test_preference_truncation_that_removes_the_difference_drops(tmp_path, tok):
     rows = [{"prompt": "sort 2 1 =", "chosen": "1 2 3", "rejected": "1 2 4"}]  # 5 prompt tokens; differ at index 7
     path = write_lines(tmp_path / "p.jsonl", rows)
