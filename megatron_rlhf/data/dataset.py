@@ -8,7 +8,8 @@ Three kinds of rows (field names come from `DataConfig`):
 * ``"preference"``: ``{prompt, chosen, rejected}``, or conversational pairs whose ``chosen`` and
   ``rejected`` are message lists (`_Tokenize._chat_pair`) -> ``chosen_ids``, ``rejected_ids`` (both start
   with the prompt) and ``prompt_len``.
-* ``"prompt"``: ``{prompt}`` or ``{messages}`` (rendered with the generation prompt) -> ``prompt_ids``.
+* ``"prompt"``: ``{prompt}``, ``{messages}`` or ``{prompt: messages}`` (rendered with the generation prompt)
+  -> ``prompt_ids``.
 
 Malformed rows (missing field, wrong type, empty text, invalid JSON, messages the chat template cannot
 render) are counted and skipped; the load stops with `DataError` when their fraction exceeds
@@ -353,8 +354,9 @@ class _Tokenize:
     def _prompt(self, row: Dict[str, Any]) -> Dict[str, Any]:
         c = self.cfg
         if c.messages_field in row and c.prompt_field not in row:
-            self._need_template()
             ids = self._template(_messages(row, c.messages_field), generation_prompt=True)
+        elif isinstance(row.get(c.prompt_field), list):  # a prompt of messages (conversational prompt-only rows)
+            ids = self._template(_messages(row, c.prompt_field), generation_prompt=True)
         else:
             ids = self._encode(_text(row, c.prompt_field), special=True)
         limit = c.max_prompt_len or c.max_seq_len

@@ -348,6 +348,15 @@ def test_conversational_preference_rows(tmp_path, chat_tok):
         "<bos>", "user", "w1", "w2", "<eos>", "<end>", "assistant", "w3", "<eos>"]
 
 
+def test_a_prompt_of_messages_renders_as_a_messages_row(tmp_path, chat_tok):
+    turns = [{"role": "system", "content": "w1"}, {"role": "user", "content": "w2"}]
+    path = write_lines(tmp_path / "q.jsonl", [{"messages": turns}, {"prompt": turns}, {"prompt": [{"role": "user"}]}])
+    ds, report = D.load_examples("prompt", cfg(max_bad_fraction=1.0), chat_tok, path, log=None)
+    assert report.bad == {"malformed prompt (need role and content strings)": 1}
+    assert ds[0]["prompt_ids"] == ds[1]["prompt_ids"] == chat_tok.apply_chat_template(
+        turns, add_generation_prompt=True, return_dict=False)
+
+
 def test_conversational_pairs_of_the_real_model_end_at_its_eos(tmp_path, smollm2):
     """SmolLM2's ChatML: the prompt ends with the generation prompt, the answer with <|im_end|> (no newline)."""
     from transformers import AutoTokenizer
