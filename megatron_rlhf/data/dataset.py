@@ -2,8 +2,9 @@
 
 Three kinds of rows (field names come from `DataConfig`):
 
-* ``"sft"``: ``{prompt, response}`` or ``{messages: [{role, content}, ...]}`` (chat template of the
-  tokenizer; loss on assistant tokens only) -> ``input_ids``, ``loss_mask`` (1 where the token is a
+* ``"sft"``: ``{prompt, response}``, ``{messages: [{role, content}, ...]}`` (chat template of the
+  tokenizer; loss on assistant tokens only), or prompt and response as message lists (loss on the response's
+  assistant turns) -> ``input_ids``, ``loss_mask`` (1 where the token is a
   response token the model must predict; aligned with ``input_ids``).
 * ``"preference"``: ``{prompt, chosen, rejected}``, or conversational pairs whose ``chosen`` and
   ``rejected`` are message lists (`_Tokenize._chat_pair`) -> ``chosen_ids``, ``rejected_ids`` (both start
@@ -256,8 +257,12 @@ class _Tokenize:
     def _sft(self, row: Dict[str, Any]) -> Dict[str, Any]:
         c = self.cfg
         if c.messages_field in row and c.prompt_field not in row:
-            self._need_template()
             ids, mask = self._chat(_messages(row, c.messages_field))
+            n_prompt = mask.index(1) if 1 in mask else len(mask)
+        elif isinstance(row.get(c.prompt_field), list) or isinstance(row.get(c.response_field), list):
+            # prompt-completion rows of messages: the loss on the completion's assistant turns only
+            prompt = _messages(row, c.prompt_field)
+            ids, mask = self._chat(prompt + _messages(row, c.response_field), learn_from=len(prompt))
             n_prompt = mask.index(1) if 1 in mask else len(mask)
         else:
             prompt = self._encode(_text(row, c.prompt_field), special=True)
@@ -272,19 +277,19 @@ class _Tokenize:
                 return {_STATUS: _OVERLONG}
         return {"input_ids": ids, "loss_mask": mask, _STATUS: status}
 
-    def _chat(self, messages: List[Dict[str, str]]):
-        """Token ids of the whole conversation and a mask of the assistant turns.
+    def _chat(self, messages: List[Dict[str, str]], learn_from: int = 0):
+        """Token ids of the whole conversation and a mask of the assistant turns from `learn_from` on.
 
         Each assistant turn i spans [len(render(messages[:i], generation prompt)),
         len(render(messages[:i+1]))): it includes the template's end-of-turn tokens, which the model
         must learn to emit. Templates whose renderings are not prefixes of each other are rejected.
         """
-        if not any(m["role"] == "assistant" for m in messages):
+        if not any(m["role"] == "assistant" for m in messages[learn_from:]):
             raise _BadRow("no assistant message")
         full = self._template(messages, generation_prompt=False)
         mask = [0] * len(full)
         for i, m in enumerate(messages):
-            if m["role"] != "assistant":
+            if m["role"] != "assistant" or i < learn_from:
                 continue
             before = self._template(messages[:i], generation_prompt=True) if i else []
             through = self._template(messages[: i + 1], generation_prompt=False)

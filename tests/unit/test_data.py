@@ -186,6 +186,24 @@ def test_chat_loss_on_assistant_tokens_only(tmp_path, chat_tok):
     assert row["loss_mask"][words.index("assistant")] == 0  # the role header is prompt
 
 
+def test_chat_prompt_completion_rows_learn_the_completion_only(tmp_path, chat_tok):
+    """prompt and response as message lists (TRL's prompt-completion form, data.response_field=completion):
+    the same tokens as the whole conversation in `messages`, the loss on the completion's turns alone."""
+    prompt = [{"role": "user", "content": "w1"}, {"role": "assistant", "content": "w2"}, {"role": "user", "content": "w3"}]
+    completion = [{"role": "assistant", "content": "w4 w5"}]
+    rows = [{"messages": prompt + completion}, {"prompt": prompt, "completion": completion},
+            {"prompt": prompt, "completion": [{"role": "user", "content": "w6"}]}]
+    path = write_lines(tmp_path / "pc.jsonl", rows)
+    ds, report = D.load_examples("sft", cfg(max_bad_fraction=1.0, response_field="completion"), chat_tok, path,
+                                 log=None)
+    assert report.bad == {"no assistant message": 1}
+    whole, split = ds[0], ds[1]
+    assert split["input_ids"] == whole["input_ids"]
+    learned = [w for w, m in zip(chat_tok.convert_ids_to_tokens(split["input_ids"]), split["loss_mask"]) if m]
+    assert learned == ["w4", "w5", "<end>"]  # the prompt's assistant turn w2 is context, not learned
+    assert sum(whole["loss_mask"]) == sum(split["loss_mask"]) + 2
+
+
 def test_chat_malformed_rows(tmp_path, chat_tok):
     ok = {"messages": [{"role": "user", "content": "w1"}, {"role": "assistant", "content": "w2"}]}
     rows = [
