@@ -237,7 +237,8 @@ class _Tokenize:
     def _need_template(self) -> None:
         if not getattr(self.tok, "chat_template", None):
             raise DataError(
-                f"rows have '{self.cfg.messages_field}' but the tokenizer has no chat template: "
+                f"rows hold chat messages ('{self.cfg.messages_field}', or message lists in place of text) but "
+                "the tokenizer has no chat template: "
                 "use prompt/response rows or a tokenizer with a chat template"
             )
 
@@ -259,7 +260,7 @@ class _Tokenize:
         if c.messages_field in row and c.prompt_field not in row:
             ids, mask = self._chat(_messages(row, c.messages_field))
             n_prompt = mask.index(1) if 1 in mask else len(mask)
-        elif isinstance(row.get(c.prompt_field), list) or isinstance(row.get(c.response_field), list):
+        elif isinstance(row.get(c.prompt_field), list) and isinstance(row.get(c.response_field), list):
             # prompt-completion rows of messages: the loss on the completion's assistant turns only
             prompt = _messages(row, c.prompt_field)
             ids, mask = self._chat(prompt + _messages(row, c.response_field), learn_from=len(prompt))
