@@ -2,10 +2,10 @@
 
 DPO trains the policy (`model.load`, the SFT checkpoint) on preference pairs (the reward model's data
 format: prompt, chosen, rejected) against a frozen reference (the same SFT weights); no reward model,
-no sampling during training. `dpo.reference_load` takes the reference from another checkpoint (the SFT one,
-when the policy continues from a DPO run). The `train` group sets the optimizer and `train.global_batch_size` pairs
-per step; optionally, after the last step, held-out prompts are sampled from the SFT and the DPO
-policy with the same draws (`dpo.eval_prompts_path`), as PPO's summary does.
+no sampling during training. `dpo.reference_load` takes the reference from another checkpoint (the SFT
+one, when the policy continues from a DPO run). The `train` group sets the optimizer and
+`train.global_batch_size` pairs per step; optionally, after the last step, held-out prompts are sampled
+from the SFT and the DPO policy with the same draws (`dpo.eval_prompts_path`), as PPO's summary does.
 """
 
 from __future__ import annotations

@@ -232,7 +232,8 @@ def _plan_ppo(cfg, cluster, policy_arch, train_layout, trained_kw, frozen_kw, ac
             reference.resident = True  # its host copies are this rank's memory
         else:
             reference.weights = 0.0  # host copies (trainer/ppo/reference_swap.py), one parameter of device scratch
-            notes.append("ppo.reference_mode=swap: the reference weights wait in host memory and run in the policy's model")
+            notes.append("ppo.reference_mode=swap: the reference weights wait in host memory and run in the "
+                         "policy's model")
     frozen_weights = max(reference.weights, reward.weights) if offload else 0.0
     # During the rollout, gradients and optimizer state of both trained models wait in host memory
     # (rollout/offload.py), and so do the policy's training weights while a copy of them generates.

@@ -189,7 +189,8 @@ def test_chat_loss_on_assistant_tokens_only(tmp_path, chat_tok):
 def test_chat_prompt_completion_rows_learn_the_completion_only(tmp_path, chat_tok):
     """prompt and response as message lists (TRL's prompt-completion form, data.response_field=completion):
     the same tokens as the whole conversation in `messages`, the loss on the completion's turns alone."""
-    prompt = [{"role": "user", "content": "w1"}, {"role": "assistant", "content": "w2"}, {"role": "user", "content": "w3"}]
+    prompt = [{"role": "user", "content": "w1"}, {"role": "assistant", "content": "w2"},
+              {"role": "user", "content": "w3"}]
     completion = [{"role": "assistant", "content": "w4 w5"}]
     rows = [{"messages": prompt + completion}, {"prompt": prompt, "completion": completion},
             {"prompt": prompt, "completion": [{"role": "user", "content": "w6"}]}]
@@ -353,7 +354,8 @@ def test_conversational_preference_rows(tmp_path, chat_tok):
                           "no turns before the answer in chosen": 1, "chosen equals rejected": 1,
                           "chosen and rejected must end in one assistant turn each": 1, "missing rejected": 1}
     head = ["<bos>", "user", "w1", "w2", "<end>", "assistant"]
-    assert chat_tok.convert_ids_to_tokens(chat_tok.apply_chat_template([user], add_generation_prompt=True, return_dict=False)) == head
+    rendered = chat_tok.apply_chat_template([user], add_generation_prompt=True, return_dict=False)
+    assert chat_tok.convert_ids_to_tokens(rendered) == head
     for row in ds:
         assert row["prompt_len"] == len(head)
         assert chat_tok.convert_ids_to_tokens(row["chosen_ids"]) == head + ["w3", "<end>", "<eos>"]
@@ -388,7 +390,8 @@ def test_conversational_pairs_of_the_real_model_end_at_its_eos(tmp_path, smollm2
     ds, _ = D.load_examples("preference", cfg(max_seq_len=256), real, write_lines(tmp_path / "p.jsonl", [row]),
                             log=None)
     n = ds[0]["prompt_len"]
-    assert real.decode(ds[0]["chosen_ids"][:n]).endswith("<|im_start|>user\nSort 3 1 2<|im_end|>\n<|im_start|>assistant\n")
+    prompt = real.decode(ds[0]["chosen_ids"][:n])
+    assert prompt.endswith("<|im_start|>user\nSort 3 1 2<|im_end|>\n<|im_start|>assistant\n"), prompt
     assert real.decode(ds[0]["chosen_ids"][n:]) == "1 2 3<|im_end|>"
     assert real.decode(ds[0]["rejected_ids"][n:]) == "3 2 1<|im_end|>"
 

@@ -154,7 +154,8 @@ def test_the_evaluation_samples_the_runs_own_online_reference(paths, tmp_path, m
     cfg = C.load_config(C.DPOConfig, None, paths + [f"dpo.eval_prompts_path={prompts}", "data.max_prompt_len=64",
                                                     f"dpo.reference_logprobs={mode}", "tokenizer.allow_swap=true"])
     built, sampled = [], []  # each reference build_reference made, each reference the evaluation sampled with
-    monkeypatch.setattr(fit, "build_reference", lambda cfg, tokenizer: built.append([torch.nn.Linear(1, 1)]) or built[-1])
+    monkeypatch.setattr(fit, "build_reference",
+                        lambda cfg, tokenizer: built.append([torch.nn.Linear(1, 1)]) or built[-1])
     monkeypatch.setattr(fit, "precompute_table", lambda *a: torch.zeros(0, 2))
     monkeypatch.setattr(dpo_eval.D, "load_examples", lambda *a, **k: ({"prompt_ids": [[1, 2]]}, None))
     monkeypatch.setattr(dpo_eval, "sample_and_score",

@@ -87,7 +87,8 @@ def test_a_dpo_checkpoint_names_its_reference_for_a_new_run(world, tmp_path):
     train_once(policy, 0)
     step_dir = ckpt.save_checkpoint(tmp_path, 1, *checkpoint_objects(policy=policy), {}, run=ckpt.RunRecord.new("dpo"))
     with pytest.raises(ckpt.CheckpointError) as e:
-        ckpt.load_checkpoint(step_dir, *checkpoint_objects(policy=tiny_trainable("float32", seed=2, distributed=False)[0]))
+        plain = tiny_trainable("float32", seed=2, distributed=False)[0]
+        ckpt.load_checkpoint(step_dir, *checkpoint_objects(policy=plain))
     assert str(e.value).endswith(f"weights with model.load={step_dir} dpo.reference_load=<the SFT checkpoint it "
                                  "started from>")
 

@@ -257,7 +257,8 @@ def test_cpu_partition_is_planned_per_rank(capsys, tmp_path):
     assert cli.main(["plan", tiny, "--cluster", str(yaml)]) == 0
     out = capsys.readouterr().out
     assert out.startswith("plan: sft on 2 CPU ranks (DP=2), GiB per CPU rank\n") and "params/rank" in out
-    assert "of 11.0 GiB usable" in out and "note: a CPU partition: each rank is planned with gpu_memory_gib (12 GiB" in out
+    assert "of 11.0 GiB usable" in out
+    assert "note: a CPU partition: each rank is planned with gpu_memory_gib (12 GiB" in out
     assert cli.main(["plan", tiny, "--cluster", str(yaml), "--json"]) == 0
     doc = json.loads(capsys.readouterr().out)
     assert doc["dp"] == 2 and doc["device"] == "CPU rank"
