@@ -25,7 +25,8 @@ CUDA is available; otherwise it neutralises exactly these CUDA assumptions (each
    ``get_cuda_rng_tracker().fork()`` work.
 3. ``torch.cuda.synchronize`` (and stream helpers used by the resharding copy service) are no-ops.
 4. ``clip_grad_by_total_norm_fp32`` asserts CUDA gradients: replaced by a CPU version that scales
-   the gradients in place by the same rule, so gradient clipping still works.
+   the gradients in place by the same rule, so gradient clipping still works. The gradient norm's
+   per-tensor sums of squares are dot products (`_l2_norm_cpu`): faster and closer to float64.
 5. Model settings (`transformer_config_overrides`): CPU initialisation, no fused CUDA kernels, and
    unbatched pipeline send/recv (batched isend/irecv on gloo races in the interleaved schedule:
    later microbatches read wrong activations). `use_te_activation_func` makes Megatron's MLP call the
@@ -69,6 +70,9 @@ CUDA is available; otherwise it neutralises exactly these CUDA assumptions (each
    [640, 576] x [576, 1536] product took 943 ms in bf16 against 9.0 ms in fp32 (1.2 against 126 GFLOP/s),
    so a bf16 run there is ~100x slower, not faster. `start_run` says so in one line, and the real-model
    recipe picks bf16 only where the CPU multiplies bf16 in hardware (AVX512-BF16 or AMX).
+12. Gradient buffers zeroed by their first write (`parallel/grad_buffer.py`): DDP's backward hook copies a
+   step's first gradient into `main_grad` instead of adding it to a zeroed buffer, and so do item 8's fused
+   GEMM (beta 0) and lookup; the training step marks the buffers instead of zeroing them.
 
 The layer is checked against the installed megatron-core version and refuses any other one,
 because each patch targets a specific release's internals.
@@ -87,6 +91,8 @@ import types
 from typing import Any, Tuple
 
 import torch
+
+from megatron_rlhf.parallel import grad_buffer
 
 SUPPORTED_MEGATRON_CORE = "0.16.1"
 
@@ -267,14 +273,28 @@ def _clip_grad_by_total_norm_cpu(parameters, max_norm, total_norm, use_decoupled
             g.detach().mul_(clip_coeff)
 
 
+def _l2_norm_cpu(chunk_size, noop_flag, tensor_lists, per_tensor, *args):
+    """CPU stand-in for Apex's `multi_tensor_l2norm` in Megatron's gradient norm (item 4): each gradient's sum
+    of squares as one dot product, summed in float64. Megatron's fallback takes `torch.norm` of each, whose
+    fp32 reduction runs at half a dot product's speed on CPU and drifted 1.5e-3 relative from float64 over a
+    28M-element tensor (the dot product: 2e-5). Returns ([1] norm, None), as the fallback does."""
+    total = torch.zeros((), dtype=torch.float64)
+    for tensor in tensor_lists[0]:
+        flat = tensor.reshape(-1)
+        flat = flat if flat.dtype in (torch.float32, torch.float64) else flat.float()
+        total += torch.dot(flat, flat).double()
+    return total.sqrt().float().reshape(1), None
+
+
 class _WgradAccumulation:
     """CPU stand-in for Apex's `fused_weight_gradient_mlp_cuda`: main_grad += grad_output^T @ input in one
     GEMM. total_input [N, in], grad_output [N, out] (Megatron flattens them to 2-D first), main_grad
-    [out, in], all fp32 (`fuse_grad_accumulation` switches only such layers on)."""
+    [out, in], all fp32 (`fuse_grad_accumulation` switches only such layers on). The step's first write
+    overwrites (beta 0: the buffer is neither read nor zeroed first; item 12)."""
 
     @staticmethod
     def wgrad_gemm_accum_fp32(total_input, grad_output, main_grad):
-        main_grad.addmm_(grad_output.t(), total_input)
+        main_grad.addmm_(grad_output.t(), total_input, beta=0.0 if grad_buffer.first_write(main_grad) else 1.0)
 
 
 class _LookupIntoMainGrad(torch.autograd.Function):
@@ -293,6 +313,8 @@ class _LookupIntoMainGrad(torch.autograd.Function):
     def backward(ctx, grad):
         (ids,) = ctx.saved_tensors
         main_grad = ctx.weight.main_grad
+        if grad_buffer.first_write(main_grad):  # the rows cover only the tokens seen (item 12)
+            main_grad.zero_()
         main_grad.index_add_(0, ids.reshape(-1), grad.reshape(-1, grad.shape[-1]).to(main_grad.dtype))
         return None, None
 
@@ -433,9 +455,13 @@ def enable() -> bool:
 
     clip_grads.clip_grad_by_total_norm_fp32 = _clip_grad_by_total_norm_cpu
     optimizer.clip_grad_by_total_norm_fp32 = _clip_grad_by_total_norm_cpu
+    clip_grads.l2_norm_impl = _l2_norm_cpu
 
     # 10. host memory: freed large blocks stay in the process
     _keep_freed_memory()
+
+    # 12. gradient buffers zeroed by their first write
+    grad_buffer.install_hook()
 
     # 5. GPU-only advice that is noise here
     import warnings

@@ -20,7 +20,7 @@ from typing import List, Optional, Tuple
 
 import torch
 
-from megatron_rlhf.parallel import cpu
+from megatron_rlhf.parallel import cpu, grad_buffer
 from megatron_rlhf.parallel.layout import GRAD_REDUCE_IN_FP32
 
 
@@ -140,11 +140,13 @@ def finalize_grads(model: List[torch.nn.Module], num_tokens: Optional[torch.Tens
     """The schedules' `finalize_model_grads_func`: Megatron's `finalize_model_grads` (data-parallel all-reduce,
     tied and sequence-parallel gradients) without its last pass, the division by the global token count. That
     count is reduced as Megatron reduces it (from the last pipeline stage, summed over data-parallel ranks) and
-    left on each chunk as `pending_grad_scale` for `optimizer_step`."""
+    left on each chunk as `pending_grad_scale` for `optimizer_step`. First, gradients that no write of the step
+    reached are zeroed (`grad_buffer.settle`: the buffers are zeroed by their first write on CPU)."""
     from megatron.core import parallel_state as ps
     from megatron.core.distributed import finalize_model_grads
     from megatron.core.pipeline_parallel.utils import get_pp_last_rank
 
+    grad_buffer.settle(model)
     finalize_model_grads(model, None, pg_collection=pg_collection, force_all_reduce=force_all_reduce)
     scale = 1.0
     if num_tokens is not None:
@@ -168,6 +170,7 @@ def optimizer_step(optimizer, chunks: List[torch.nn.Module], skip_nonfinite: boo
     alone cannot tell them from finite values whose squares overflow): weights, moments and schedule untouched.
     Without the guard the step goes on as Megatron's would. An fp16 loss-scale overflow skips as in Megatron.
     """
+    grad_buffer.settle(chunks)  # where the schedule's finalize_grads did not run
     scale = 1.0
     for chunk in chunks:
         scale = getattr(chunk, "pending_grad_scale", scale)

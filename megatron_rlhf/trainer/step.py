@@ -12,6 +12,7 @@ from typing import Callable, Dict, Iterable, List, Tuple
 import torch
 
 from megatron_rlhf.models.logit_rows import logits_at
+from megatron_rlhf.parallel import grad_buffer
 from megatron_rlhf.parallel.device import on_device_of
 from megatron_rlhf.trainer import optim
 
@@ -131,8 +132,7 @@ def train_step(chunks, optimizer, scheduler, microbatches: Iterable[Batch], forw
     state and schedule untouched) instead of applying it; the caller decides when to give up.
     """
     microbatches = list(microbatches)
-    for chunk in chunks:
-        chunk.zero_grad_buffer()
+    grad_buffer.zero_grads(chunks)
     optimizer.zero_grad()
     outputs = run_schedule(chunks, microbatches, forward_step)
     ok, grad_norm = optim.optimizer_step(optimizer, chunks, skip_nonfinite)

@@ -3,6 +3,7 @@
 `enable()` changes process-wide state for good, so the checks that need it run in a fresh interpreter.
 """
 
+import math
 import os
 import subprocess
 import sys
@@ -206,3 +207,15 @@ def test_preferred_dtype_is_bf16_only_where_the_cpu_multiplies_it(monkeypatch, a
     monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda: amx, raising=False)
     monkeypatch.setattr(cpu, "gemm_is_native", lambda dtype: native or dtype == "float32")
     assert cpu.preferred_dtype() == expected
+
+
+def test_megatrons_gradient_norm_is_float64_close(world):
+    """Megatron's `get_grad_norm_fp32` on CPU: one dot product per gradient, summed in float64 (item 4). torch.norm's
+    fp32 reduction, Megatron's fallback, is 5e-6 off float64 here (16M elements); the dot products 1e-7 to 3e-7."""
+    from megatron.core.optimizer import clip_grads
+
+    g = torch.Generator().manual_seed(0)
+    grads = [torch.randn(n, generator=g) * 1e-3 + 2e-4 for n in (16_000_000, 3 * 577, 1)]
+    grads.append(torch.randn(64, 32, generator=g).bfloat16())
+    exact = math.sqrt(sum(float(t.double().pow(2).sum()) for t in grads))
+    assert clip_grads.get_grad_norm_fp32(grads) == pytest.approx(exact, rel=1e-6)
