@@ -8,7 +8,9 @@ the read are wasted passes. Here `zero_grads` marks each parameter's `main_grad`
 zeroing, and the first write of a step overwrites: the hook copies (converting), the fused GEMM runs with
 beta 0 (parallel/cpu.py item 8), and the embedding lookup, whose rows cover only the tokens seen, zeroes
 first. `settle` zeroes what no write reached; it runs before anything reads the buffers: at the start of
-`finalize_grads` (before the data-parallel reduction and DDP's NaN check) and of the optimizer step.
+`finalize_grads` (before the data-parallel reduction and DDP's NaN check) and of the optimizer step; code
+that reads `main_grad` after `zero_grads` by any other path must `settle` first. About 4% of a bf16 PPO
+iteration at the SmolLM2-135M shape (`benchmarks/grad_buffer.py`, docs/performance.md run Q).
 
 Only while the CPU layer is on (`parallel/cpu.py` item 12 installs the hook); on GPU `zero_grads` is
 Megatron's `zero_grad_buffer`, whose memset costs little there.
