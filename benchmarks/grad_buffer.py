@@ -1,8 +1,9 @@
-"""PPO iterations with DDP's gradient buffers zeroed by their first write against zeroed ones, side by side.
+"""bf16 PPO iterations with DDP's gradient buffers zeroed by their first write against zeroed ones, side by side.
 
-    python benchmarks/grad_buffer.py [--dtype bfloat16|float32] [--repeats 3]
+    python benchmarks/grad_buffer.py [--repeats 3]
 
-One process, one rank, 2 threads, the SmolLM2-135M shape of benchmarks/ppo_iteration.py (random weights, 16
+bf16 only: buffers of fp32 weights are zeroed either way (parallel/grad_buffer.py). One process, one rank,
+2 threads, the SmolLM2-135M shape of benchmarks/ppo_iteration.py (random weights, 16
 prompts, 64 new tokens, 2 minibatches x 4 epochs). The same run alternates the two ways of starting each
 training step's gradients (`parallel/grad_buffer.py` against Megatron's `zero_grad_buffer`), in the order
 AB, BA, AB, ..., so the VM's drift slows both alike. Ends with one JSON line: the median seconds per
@@ -30,9 +31,9 @@ from benchmarks.shapes import SMOLLM2_135M  # noqa: E402
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
     parser.add_argument("--repeats", type=int, default=3)
     args = parser.parse_args()
+    args.dtype = "bfloat16"
     machine.refuse_emulated_dtypes(parser, [args.dtype])
     from megatron_rlhf.parallel import grad_buffer
 

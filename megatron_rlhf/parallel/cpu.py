@@ -70,9 +70,9 @@ CUDA is available; otherwise it neutralises exactly these CUDA assumptions (each
    [640, 576] x [576, 1536] product took 943 ms in bf16 against 9.0 ms in fp32 (1.2 against 126 GFLOP/s),
    so a bf16 run there is ~100x slower, not faster. `start_run` says so in one line, and the real-model
    recipe picks bf16 only where the CPU multiplies bf16 in hardware (AVX512-BF16 or AMX).
-12. Gradient buffers zeroed by their first write (`parallel/grad_buffer.py`): DDP's backward hook copies a
-   step's first gradient into `main_grad` instead of adding it to a zeroed buffer, and so do item 8's fused
-   GEMM (beta 0) and lookup; the training step marks the buffers instead of zeroing them.
+12. Gradient buffers zeroed by their first write (`parallel/grad_buffer.py`): for half-precision weights,
+   DDP's backward hook copies a step's first gradient into `main_grad` instead of adding it to a zeroed
+   buffer (item 8's lookup zeroes first); the training step marks those buffers instead of zeroing them.
 
 The layer is checked against the installed megatron-core version and refuses any other one,
 because each patch targets a specific release's internals.
@@ -289,12 +289,11 @@ def _l2_norm_cpu(chunk_size, noop_flag, tensor_lists, per_tensor, *args):
 class _WgradAccumulation:
     """CPU stand-in for Apex's `fused_weight_gradient_mlp_cuda`: main_grad += grad_output^T @ input in one
     GEMM. total_input [N, in], grad_output [N, out] (Megatron flattens them to 2-D first), main_grad
-    [out, in], all fp32 (`fuse_grad_accumulation` switches only such layers on). The step's first write
-    overwrites (beta 0: the buffer is neither read nor zeroed first; item 12)."""
+    [out, in], all fp32 (`fuse_grad_accumulation` switches only such layers on)."""
 
     @staticmethod
     def wgrad_gemm_accum_fp32(total_input, grad_output, main_grad):
-        main_grad.addmm_(grad_output.t(), total_input, beta=0.0 if grad_buffer.first_write(main_grad) else 1.0)
+        main_grad.addmm_(grad_output.t(), total_input)
 
 
 class _LookupIntoMainGrad(torch.autograd.Function):

@@ -1,16 +1,20 @@
-"""Megatron DDP's gradient buffers zeroed by their first write, on CPU.
+"""Megatron DDP's gradient buffers of half-precision weights zeroed by their first write, on CPU.
 
-Each optimizer step zeroes DDP's flat gradient buffers (540 MB per 135M-parameter model in fp32), and the
-backward then adds every weight gradient into them: a bf16 gradient is converted and added (DDP's hook:
-reads 2 + 4 bytes and writes 4 per element), an fp32 one accumulates through the fused GEMM (beta 1, which
-reads the buffer). With one micro-batch per step every buffer element is written once, so the zeroing and
-the read are wasted passes. Here `zero_grads` marks each parameter's `main_grad` unwritten instead of
-zeroing, and the first write of a step overwrites: the hook copies (converting), the fused GEMM runs with
-beta 0 (parallel/cpu.py item 8), and the embedding lookup, whose rows cover only the tokens seen, zeroes
-first. `settle` zeroes what no write reached; it runs before anything reads the buffers: at the start of
-`finalize_grads` (before the data-parallel reduction and DDP's NaN check) and of the optimizer step; code
-that reads `main_grad` after `zero_grads` by any other path must `settle` first. About 4% of a bf16 PPO
-iteration at the SmolLM2-135M shape (`benchmarks/grad_buffer.py`, docs/performance.md run Q).
+Each optimizer step zeroes DDP's flat fp32 gradient buffers (540 MB per 135M-parameter model), and the
+backward then adds every bf16 weight gradient into them through DDP's hook, converting it (reads 2 + 4
+bytes and writes 4 per element). With one micro-batch per step every element is written once, so the
+zeroing and the read are wasted passes. Here `zero_grads` marks each parameter's `main_grad` unwritten
+instead of zeroing, and the first write of a step overwrites: the hook copies (converting; 33 ms against a
+30-ms zeroing and a 72-ms add per 135M parameters), and the embedding lookup (parallel/cpu.py item 8), whose
+rows cover only the tokens seen, zeroes first. `settle` zeroes what no write reached; it runs before anything
+reads the buffers: at the start of `finalize_grads` (before the data-parallel reduction and DDP's NaN check)
+and of the optimizer step; code that reads `main_grad` after `zero_grads` by any other path must `settle`
+first. About 4% of a bf16 PPO iteration at the SmolLM2-135M shape (`benchmarks/grad_buffer.py`,
+docs/performance.md run Q).
+
+Buffers whose weights are fp32 are zeroed as Megatron zeroes them: their weight gradients accumulate inside
+the GEMM (item 8, beta 1), and an overwriting GEMM (beta 0) measured 1-8% slower per call on a cold buffer,
+about what the zeroing costs, and no faster in the PPO iteration.
 
 Only while the CPU layer is on (`parallel/cpu.py` item 12 installs the hook); on GPU `zero_grads` is
 Megatron's `zero_grad_buffer`, whose memset costs little there.
@@ -49,13 +53,13 @@ def _no_reset():
 
 
 def zero_grads(chunks: List[torch.nn.Module]) -> None:
-    """Megatron's `zero_grad_buffer` for each chunk, with the buffers marked unwritten instead of zeroed
-    where the CPU layer's hook is in place."""
+    """Megatron's `zero_grad_buffer` for each chunk, with the buffers of half-precision weights marked unwritten
+    instead of zeroed where the CPU layer's hook is in place."""
     for chunk in chunks:
         if not _lazy(chunk):
             chunk.zero_grad_buffer()
             continue
-        buffers = _buffers(chunk)
+        buffers = [b for b in _buffers(chunk) if b.param_dtype != b.grad_dtype]  # fp32 weights: zeroed as before
         for buffer in buffers:
             for param in buffer.params:
                 param.main_grad.unwritten = True
