@@ -38,14 +38,19 @@ def first_write(main_grad: torch.Tensor) -> bool:
     return False
 
 
-def _buffers(chunk) -> List:
-    return [*getattr(chunk, "buffers", []), *(getattr(chunk, "expert_parallel_buffers", None) or [])]
+def ddp_buffers(chunk) -> List:
+    """A Megatron DDP chunk's gradient buffers, the expert-parallel ones included; [] for a module that is not
+    DDP (a plain nn.Module's `buffers` is a method)."""
+    buffers = getattr(chunk, "buffers", None)
+    if not isinstance(buffers, list):
+        return []
+    return [*buffers, *(getattr(chunk, "expert_parallel_buffers", None) or [])]
 
 
 def _lazy(chunk) -> bool:
     """A Megatron DDP chunk whose backward hooks are `install_hook`'s, which overwrite unwritten gradients (a
     chunk built before the hook was installed adds, so its buffers are zeroed)."""
-    return getattr(chunk, "first_write_hooks", False) and isinstance(getattr(chunk, "buffers", None), list)
+    return getattr(chunk, "first_write_hooks", False)
 
 
 def _no_reset():
@@ -59,7 +64,7 @@ def zero_grads(chunks: List[torch.nn.Module]) -> None:
         if not _lazy(chunk):
             chunk.zero_grad_buffer()
             continue
-        buffers = [b for b in _buffers(chunk) if b.param_dtype != b.grad_dtype]  # fp32 weights: zeroed as before
+        buffers = [b for b in ddp_buffers(chunk) if b.param_dtype != b.grad_dtype]  # fp32 weights: zeroed as before
         for buffer in buffers:
             for param in buffer.params:
                 param.main_grad.unwritten = True
@@ -75,7 +80,7 @@ def settle(chunks: List[torch.nn.Module]) -> None:
     """Zero every gradient that no write of this step reached (a parameter outside the loss), so the buffers
     read as eagerly zeroed ones would. Idempotent; nothing to do after an eager `zero_grads`."""
     for chunk in chunks:
-        for buffer in _buffers(chunk):
+        for buffer in ddp_buffers(chunk):
             for param in buffer.params:
                 if first_write(param.main_grad):
                     param.main_grad.zero_()

@@ -35,6 +35,7 @@ from typing import Dict, Iterable, Iterator, List, Optional
 
 import torch
 
+from megatron_rlhf.parallel import grad_buffer
 from megatron_rlhf.parallel.cpu import peak_memory_gib
 
 
@@ -56,7 +57,7 @@ def training_state_tensors(trainable) -> List[torch.Tensor]:
     for chunk in trainable.chunks:
         for p in unwrap_model(chunk).parameters():
             model_storages.add(p.untyped_storage().data_ptr())
-        for buffer in list(getattr(chunk, "buffers", [])) + list(getattr(chunk, "expert_parallel_buffers", [])):
+        for buffer in grad_buffer.ddp_buffers(chunk):
             if buffer.grad_data is not None:
                 out.append(buffer.grad_data)
             if getattr(buffer, "param_data", None) is not None:  # model weights: they stay

@@ -220,10 +220,9 @@ def grads_finite(chunks) -> bool:
     """
     grads = []
     for chunk in chunks:
-        buffers = getattr(chunk, "buffers", None)  # Megatron DDP: every gradient lives in a few flat buffers
-        if isinstance(buffers, list):  # (a plain nn.Module's `buffers` is a method)
-            extra = getattr(chunk, "expert_parallel_buffers", None) or []
-            grads.extend(b.grad_data for b in [*buffers, *extra])
+        buffers = grad_buffer.ddp_buffers(chunk)  # Megatron DDP: every gradient lives in a few flat buffers
+        if buffers:
+            grads.extend(b.grad_data for b in buffers)
             continue
         for p in chunk.parameters():
             g = getattr(p, "main_grad", None)
