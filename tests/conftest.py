@@ -52,14 +52,12 @@ def native_thread_names() -> dict:
     return names
 
 
-@pytest.hookimpl(trylast=True)
-def pytest_unconfigure(config):
-    """The threads still running when the session ends, one line, with where each one is: a daemon thread inside
-    a torch call while the interpreter shuts down ends in std::terminate ("terminate called without an active
-    exception", exit 134 after every test passed), and this line names it. faulthandler then reports the
-    abort itself (pytest's own is off by now)."""
+def pytest_terminal_summary(terminalreporter):
+    """The threads still running at the end of the session, one line, with where each one is, printed above
+    pytest's closing line (tools read that one as the result): a daemon thread inside a torch call while the
+    interpreter shuts down ends in std::terminate ("terminate called without an active exception", exit 134
+    after every test passed), and this line names it. Session fixtures are torn down by now."""
     import collections
-    import faulthandler
     import sysconfig
     import threading
     import traceback
@@ -76,5 +74,13 @@ def pytest_unconfigure(config):
     native = collections.Counter(n for n in names.values() if n != names.get(os.getpid()))
     alive += [f"{name} x{k} (native)" for name, k in sorted(native.items())]
     if alive:
-        print("threads alive at the end of the session: " + "; ".join(alive), file=sys.__stderr__, flush=True)
+        terminalreporter.write_line("threads alive at the end of the session: " + "; ".join(alive))
+
+
+@pytest.hookimpl(trylast=True)
+def pytest_unconfigure(config):
+    """An abort at interpreter exit (a thread named by the line above) is reported by faulthandler, with every
+    thread's stack: pytest's own handler is off by now."""
+    import faulthandler
+
     faulthandler.enable(file=sys.__stderr__, all_threads=True)

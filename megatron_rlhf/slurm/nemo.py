@@ -37,6 +37,19 @@ def _map_lepton_v1() -> None:
         sys.modules.setdefault(f"leptonai.api.v1.{name}", importlib.import_module(f"leptonai.api.v2.{name}"))
 
 
+def shell_word(text: str) -> str:
+    """`text` as one shell word (shlex.quote) that reaches the job byte for byte through nemo-run.
+
+    Without a container, nemo-run replaces every "/nemo_run" in its sbatch script (the job directory's name
+    inside its containers) with the job directory on the cluster, arguments included. Each occurrence gets an
+    empty quoted string in the middle ("/nemo''_run"), which the shell drops, inside quotes or out."""
+    _nemo_run()
+    from nemo_run.config import RUNDIR_NAME
+
+    half = len(RUNDIR_NAME) // 2
+    return shlex.quote(text).replace(f"/{RUNDIR_NAME}", f"/{RUNDIR_NAME[:half]}''{RUNDIR_NAME[half:]}")
+
+
 def _nemo_run():
     _map_lepton_v1()
     try:
@@ -79,8 +92,8 @@ def build_executor(cluster: SlurmCluster, stage: str):
         container_image=cluster.container_image,
         container_mounts=mounts,
         # Without a container nemo-run runs each task in its packaged code directory; ours is the checkout.
-        srun_args=None if cluster.container_image else [f"--chdir={workdir}"],
-        env_vars={k: str(v) for k, v in job_env(stage, cluster).items()},
+        srun_args=None if cluster.container_image else [f"--chdir={shell_word(workdir)}"],
+        env_vars={k: shell_word(str(v)) for k, v in job_env(stage, cluster).items()},
         tunnel=tunnel,
         packager=run.Packager(),  # the code is already on the cluster (workdir): nothing to ship
     )
@@ -90,9 +103,9 @@ def node_script(stage: str, config: str, overrides: Sequence[str], cluster: Slur
     """What each node's task runs: slurm/node.sh of the checkout on the cluster (`workdir`)."""
     run = _nemo_run()
     workdir = cluster.workdir or os.getcwd()
-    # nemo-run joins the arguments with spaces into the srun line: quote each for the shell.
-    args = [shlex.quote(a) for a in (stage, config, *overrides)]
-    return run.Script(path=os.path.join(workdir, "slurm", "node.sh"), args=args, entrypoint="bash")
+    # nemo-run joins the path and arguments with spaces into the srun line, and rewrites that line (shell_word).
+    args = [shell_word(a) for a in (stage, config, *overrides)]
+    return run.Script(path=shell_word(os.path.join(workdir, "slurm", "node.sh")), args=args, entrypoint="bash")
 
 
 def render(stage: str, config: str, overrides: Sequence[str], cluster: SlurmCluster, home: str) -> str:

@@ -7,6 +7,7 @@
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 from typing import Callable, Dict, List, Optional
 
@@ -21,7 +22,7 @@ from megatron_rlhf.parallel.cpu import peak_memory_gib
 from megatron_rlhf.parallel import init
 from megatron_rlhf.trainer.preflight import resume_message
 from megatron_rlhf.trainer.run import (
-    StopFlag, build_trainable, open_metrics, record_run, resume_point, save_or_stop, start_run, write_json,
+    StopFlag, build_trainable, finished_line, open_metrics, record_run, resume_point, save_or_stop, start_run, write_json,
 )
 from megatron_rlhf.trainer.step import LossFn, make_forward_step, reduce_stats, run_schedule, train_step
 
@@ -85,6 +86,7 @@ def run_stage(cfg, stage: Stage) -> Dict[str, float]:
 
     forward_step = make_forward_step(stage.loss_fn, stage.model_kwargs)
     metrics = open_metrics(cfg, ctx, total_steps, step)
+    first_step, started = step, time.monotonic()
     stop = StopFlag()
     stop_at = min(total_steps, cfg.train.exit_at_step or total_steps)
     last_eval: Dict[str, float] = {}
@@ -123,6 +125,8 @@ def run_stage(cfg, stage: Stage) -> Dict[str, float]:
     if saved_at != step or final:
         save(step, final)
     metrics.close()
+    if log:
+        log(finished_line(cfg, "step", first_step, step, total_steps, time.monotonic() - started))
     result = dict(last_eval)
     init.destroy()
     return result

@@ -238,6 +238,17 @@ def save_or_stop(cfg, step: int, stop: StopFlag, save: Callable[[int], None], me
     return "stopped"
 
 
+def finished_line(cfg, unit: str, first: int, last: int, total: int, seconds: float) -> str:
+    """The last line of a stage that ran to its end (rank 0 prints it): what this run trained and where it wrote
+    it, so that a job's log says where its results are (the log has no step line when the bar is off).
+    `first`: the step (or iteration) the run started from; `last`: the one it ended at, of `total`."""
+    if last == first:
+        trained = f"trained no {unit}: the run was already at {unit} {last} of {total}"
+    else:
+        trained = f"trained {unit}s {first + 1}-{last} of {total} in {seconds:.1f} s"
+    return f"{stage_of(cfg)}: {trained}; run directory {os.path.abspath(cfg.logging.run_dir)}"
+
+
 def open_metrics(cfg, ctx: RunContext, total_steps: int, start_step: int,
                  namespaces: Optional[Sequence[str]] = None, desc: str = "train"):
     """The rank-0 MetricsLogger of this run (a no-op object on other ranks)."""

@@ -8,6 +8,7 @@ and GRPO with PPO-ptx at DP=2 (whole groups, no value model, exact resume).
 
 import json
 import os
+import re
 
 import pytest
 
@@ -53,7 +54,10 @@ LEARNING = {"ppo.iterations": 14, "ppo.eval_interval": 7, "checkpoint.save_inter
 def run_and_check_learning(base, run, **extra) -> dict:
     """14 PPO iterations from `base` (test_ppo_vllm.py runs them with vLLM): the RM and true rewards rise, KL
     stays bounded. Returns iteration 1's metrics row."""
-    torchrun(CLI, *ppo_args(base, run, **extra, **LEARNING), nproc=2, timeout=900)
+    proc = torchrun(CLI, *ppo_args(base, run, **extra, **LEARNING), nproc=2, timeout=900)
+    # What the run trained, and where it wrote it (vLLM's shutdown may still log after it).
+    assert re.search(rf"^ppo: trained iterations 1-14 of 14 in [0-9.]+ s; run directory {re.escape(str(run))}$",
+                     proc.stdout, re.M), proc.stdout[-3000:]
     summary = json.loads((run / "summary.json").read_text())
     for key in ("true_reward_sft", "true_reward_ppo", "rm_reward_sft", "rm_reward_ppo", "kl_ppo"):
         assert summary[key] is not None, key

@@ -29,10 +29,15 @@ def test_log_interval_finished_rerun_and_quiet_stderr(data, tmp_path):  # noqa: 
     rows = read_jsonl(str(run / "metrics.jsonl"))
     assert [r["step"] for r in rows if "train/loss" in r] == [2, 4, 5]  # every 2nd step and the last
     assert not NOISE.search(first.stderr), first.stderr[-3000:]
+    # The last line says what the run trained and where (a Slurm job's log has no step line with the bar off).
+    assert re.fullmatch(rf"sft: trained steps 1-5 of 5 in [0-9.]+ s; run directory {re.escape(str(run))}",
+                        first.stdout.strip().splitlines()[-1]), first.stdout[-2000:]
 
     latest = (run / "checkpoints" / "latest").read_text()
     again = _launch(args)  # resumes from the final checkpoint: loads it, trains nothing
     assert "at step 5: the run is already finished (5 steps), nothing to train" in again.stdout, again.stdout
+    assert again.stdout.strip().splitlines()[-1] == f"sft: trained no step: the run was already at step 5 of 5; " \
+        f"run directory {run}", again.stdout[-2000:]
     assert len(read_jsonl(str(run / "metrics.jsonl"))) == len(rows)
     assert (run / "checkpoints" / "latest").read_text() == latest  # and keeps its checkpoint
     assert not NOISE.search(again.stderr), again.stderr[-3000:]

@@ -92,3 +92,23 @@ def test_env_sh_gives_each_rank_the_nodes_cpus(slurm, tmp_path):
                     f"--wrap={script}").stdout.strip()
     slurm.wait_final(job, timeout=60)
     assert (tmp_path / f"threads-{job}.out").read_text().split() == [f"threads={min(os.cpu_count(), 8)}"]
+
+
+# A run directory that nemo-run's own rewriting (without a container it replaces every "/nemo_run" in its sbatch
+# script with its job directory) and the shell would both touch: spaces, `$`, `=`, single and double quotes.
+ODD_RUN_DIR = ("runs", "nemo_run", "a b $HOME=1 'q' \"dq\"")
+
+
+@pytest.mark.parametrize("backend", ["plain", "nemo-run"])
+def test_overrides_reach_the_job_byte_for_byte(slurm, tiny, tmp_path, backend):
+    run = tmp_path.joinpath(*ODD_RUN_DIR)
+    yaml = cluster_yaml(tmp_path / "cluster.yaml", tmp_path / "logs", master_port=free_port_block(1))
+    job = slurm.submit("sft", tiny["sft"], [f"logging.run_dir={run}"], cluster_yaml=yaml, backend=backend,
+                       env={"NEMORUN_HOME": str(tmp_path / "nemorun_home")})
+    info = slurm.wait_final(job, timeout=400)
+    log = slurm.log(job)
+    assert info["JobState"] == "COMPLETED", (info, log[-3000:])
+    assert_same_metrics(run, run_dir(tiny["sft"]))  # the job wrote where the user said, and trained
+    # Its log says so in its last line: with the progress bar off a stage prints no step line of its own.
+    assert log.strip().splitlines()[-1].startswith(f"sft: trained steps 1-6 of 6 in "), log[-3000:]
+    assert log.strip().splitlines()[-1].endswith(f"; run directory {run}"), log[-3000:]

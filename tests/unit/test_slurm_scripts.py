@@ -81,6 +81,24 @@ def test_nemo_run_dryrun(name, tmp_path, capsys):
         assert f"--chdir={ROOT}" in srun and "--container-image" not in srun
 
 
+def test_nemo_run_passes_overrides_byte_for_byte(tmp_path, capsys):
+    """nemo-run rewrites every "/nemo_run" of a non-container sbatch script (its job directory): the srun line
+    of the dry run, run by bash, gives node.sh exactly the overrides the user typed."""
+    if importlib.util.find_spec("nemo_run") is None:
+        pytest.skip("nemo-run is the `slurm` extra: pip install -e '.[slurm]'")
+    odd = ["logging.run_dir=/data/runs/nemo_run/a b $HOME=1 'q' \"dq\"", "ppo.iterations=7", "checkpoint.dir=/nemo_run"]
+    out = tmp_path / "job.sh"
+    proc = subprocess.run([sys.executable, "slurm/launch.py", "ppo", "examples/llama3_8b_ppo.yaml", "--cluster",
+                           os.path.join(EX, "llama3_8b_slurm.yaml"), "--backend", "nemo-run", "--dryrun", "--out",
+                           str(out), *odd], cwd=ROOT, stdin=subprocess.DEVNULL, capture_output=True, text=True,
+                          timeout=300, env=dict(os.environ, NEMORUN_HOME=str(tmp_path)))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    srun = next(line for line in out.read_text().splitlines() if line.startswith("srun --output"))
+    words = srun.split(" bash ", 1)[1]  # node.sh's path and arguments, as the shell will read them
+    echoed = subprocess.run(["bash", "-c", f"printf '%s\\n' {words}"], capture_output=True, text=True)
+    assert echoed.stdout.splitlines() == [f"{ROOT}/slurm/node.sh", "ppo", "examples/llama3_8b_ppo.yaml", *odd]
+
+
 def test_node_script_starts_one_launcher_with_the_nodes_ranks(tmp_path):
     """slurm/node.sh on node 3 of 16 runs `launch --nnodes 16 --node-rank 3 --nproc-per-node 8` (a stand-in python)."""
     fake = tmp_path / "python"

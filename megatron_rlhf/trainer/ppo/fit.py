@@ -42,7 +42,7 @@ from megatron_rlhf.trainer.ppo.learn import SkipGuard, TrainingDiverged, learn
 from megatron_rlhf.trainer.ppo.models import build_ppo_models
 from megatron_rlhf.trainer.ppo.ptx import PtxBatches
 from megatron_rlhf.trainer.run import (
-    StopFlag, generation_config, open_metrics, record_run, resume_point, save_or_stop, start_run, write_json,
+    StopFlag, finished_line, generation_config, open_metrics, record_run, resume_point, save_or_stop, start_run, write_json,
 )
 
 NAMESPACES = ("ppo", "eval", "time", "perf", "warn")
@@ -136,6 +136,7 @@ def fit(cfg) -> Dict[str, float]:
         correction = (p.rollout_correction, p.rollout_correction_cap)
         stop_at = min(p.iterations, cfg.train.exit_at_step or p.iterations)
         saved_at = iteration if resume_from is not None else -1  # the iteration the latest checkpoint holds
+        first_iteration, loop_started = iteration, time.time()
         while iteration < stop_at:
             with metrics.timer("time/iteration") as timing:
                 with engine.same_weights():  # ReMax's greedy baseline reuses the rollout's copy of the weights
@@ -178,6 +179,8 @@ def fit(cfg) -> Dict[str, float]:
         if iteration == p.iterations:
             finish(cfg, ctx, m, baseline, last_eval, time.time() - started)
         metrics.close()
+        if log:
+            log(finished_line(cfg, "iteration", first_iteration, iteration, p.iterations, time.time() - loop_started))
     finally:
         engine.close()
     init.destroy()
