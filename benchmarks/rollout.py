@@ -273,7 +273,11 @@ def generation_part(args) -> dict:
 
     from megatron_rlhf.rollout.megatron_engine import decode_path
 
-    results = {"shape": args.shape, "dtype": args.dtype, "decode_path": decode_path(model)}
+    import transformers
+
+    # transformers' own speed moves the ratio: generate at 128 rows x 64 tokens ran ~25% faster from 5.23 on.
+    results = {"shape": args.shape, "dtype": args.dtype, "decode_path": decode_path(model),
+               "transformers": transformers.__version__, "torch": torch.__version__}
     with tempfile.TemporaryDirectory() as run_dir:
         engine, why_not = (None, "--no-vllm") if args.no_vllm else vllm_engine(model, cfg, run_dir)
         if engine is None:

@@ -133,3 +133,46 @@ def test_bf16_runs_and_stays_close(world):
     out = generate(model, torch.tensor([[4, 5, 6]]), prompt_lengths=torch.tensor([3]), max_new_tokens=4, eos_id=None,
                    pad_id=0, vocab_size=VOCAB, seed=0)
     assert out["response_ids"].shape == (1, 4) and torch.isfinite(out["logprobs"]).all()
+
+
+class _Ops(torch.utils._python_dispatch.TorchDispatchMode):
+    """Counts the aten ops run under it, and notes each silu whose input is not contiguous."""
+
+    def __init__(self):
+        super().__init__()
+        self.count, self.strided_silu = 0, 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.count += 1
+        if func.overloadpacket is torch.ops.aten.silu and not args[0].is_contiguous():
+            self.strided_silu += 1
+        return func(*args, **(kwargs or {}))
+
+
+def _ops_of_one_step(num_layers: int) -> _Ops:
+    model = _model(cfg=ModelConfig(**{**BASE, "num_layers": num_layers}))
+    b, n = 8, 5
+    decoder = LeanDecoder(model, b, n + 1)
+    tokens, pos = torch.randint(0, VOCAB, (b, n + 1)), torch.arange(n + 1).expand(b, -1)
+    with torch.no_grad():
+        decoder.prefill(tokens[:, :n], pos[:, :n])
+        with _Ops() as ops:
+            decoder.step(tokens[:, n:], pos[:, n:])
+    return ops
+
+
+# aten ops per layer of one decode step as of this test's writing (2 RMSNorms, QKV, RoPE, the cache writes, SDPA,
+# the projection, 3 MLP GEMMs, SwiGLU, 2 residual adds, with their views). Per-op overhead is what the lean forward
+# removed from Megatron's module stack (about 85% of a decode step at 16 rows): a change that adds ops to every step
+# of every layer must say why, here.
+OPS_PER_LAYER = 58
+
+
+def test_a_decode_step_stays_lean(world):
+    """The sampler's speed against transformers (benchmarks/rollout.py) rests on few ops per decode step and
+    contiguous element-wise inputs (silu over the strided half of one fc1 output ran ~4x slower at 128 rows)."""
+    two, four = _ops_of_one_step(2), _ops_of_one_step(4)
+    per_layer = (four.count - two.count) / 2
+    assert per_layer <= OPS_PER_LAYER, per_layer
+    assert four.count - 4 * per_layer <= 18, four.count  # embedding, RoPE tables, final norm, output layer
+    assert four.strided_silu == 0
