@@ -14,6 +14,7 @@ from typing import List, Optional
 
 import torch
 
+from megatron_rlhf.parallel import megatron_version
 from megatron_rlhf.parallel.report import first_problem
 
 # Root causes that mean "another architecture", not "damaged files".
@@ -92,7 +93,8 @@ def check_metadata(path: Path, resume: bool = True) -> None:
         raise CheckpointError(damaged_message(path, f"metadata.json: {root_cause(e)}", resume)) from None
     if (path / "metadata.json").read_text().find("torch_dist") < 0:
         return  # another backend: nothing more to check here
-    if not (path / "common.pt").is_file():  # megatron's loader fails on it with "'str' object has no attribute 'iterdir'"
+    # megatron-core 0.16's loader fails on a missing one with "'str' object has no attribute 'iterdir'"
+    if megatron_version.common_state_file() and not (path / "common.pt").is_file():
         raise CheckpointError(damaged_message(path, "common.pt: missing", resume))
     from torch.distributed.checkpoint import FileSystemReader
 

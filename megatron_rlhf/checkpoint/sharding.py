@@ -27,7 +27,9 @@ def checked_on_every_rank():
         try:
             original(global_metadata, common_state_dict=common_state_dict)
         except Exception as e:  # noqa: BLE001 - shared with every rank, then raised on each
-            verdict = str(e) or type(e).__name__
+            # megatron-core 0.19 says "Invalid sharding pattern validation. Errors: " and then a defect a line
+            text = str(e).partition("Errors:")[2] or str(e)
+            verdict = "; ".join(line.strip() for line in text.splitlines() if line.strip()) or type(e).__name__
         failed = first_problem(verdict)
         if failed is not None:
             raise CheckpointingException(f"invalid sharding: {failed}")

@@ -78,10 +78,14 @@ def install() -> None:
 
     megatron_rope = rope_utils._apply_rotary_pos_emb_bshd
 
-    def apply_rope(t, freqs, rotary_interleaved=False, multi_latent_attention=False, mscale=1.0):
+    def apply_rope(t, freqs, rotary_interleaved=False, *args, **kwargs):
+        # After rotary_interleaved: the MLA interleaving flag (named multi_latent_attention in megatron-core 0.16,
+        # mla_rotary_interleaved in 0.19), then mscale; callers pass them by position or by name.
+        mla = args[0] if args else kwargs.get("mla_rotary_interleaved") or kwargs.get("multi_latent_attention")
+        mscale = args[1] if len(args) > 1 else kwargs.get("mscale", 1.0)
         d = freqs.shape[-1]
-        if rotary_interleaved or multi_latent_attention or mscale != 1.0 or d != t.shape[-1] or d % 2:
-            return megatron_rope(t, freqs, rotary_interleaved, multi_latent_attention, mscale)
+        if rotary_interleaved or mla or mscale != 1.0 or d != t.shape[-1] or d % 2:
+            return megatron_rope(t, freqs, rotary_interleaved, *args, **kwargs)
         return _Rope.apply(t, *_cos_sin(freqs, t.dtype))
 
     apply_rope.megatron = megatron_rope

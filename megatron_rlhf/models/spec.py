@@ -210,6 +210,7 @@ def layer_spec(te: Optional[bool] = None):
     if use_te_spec() if te is None else te:
         return gpt_layer_specs.get_gpt_layer_with_transformer_engine_spec()
     from megatron_rlhf.models.sdpa_attention import SDPAttention
+    from megatron_rlhf.parallel import megatron_version
     from megatron_rlhf.parallel.cpu import cuda_available
 
     spec = gpt_layer_specs.get_gpt_layer_local_spec(normalization="RMSNorm")
@@ -218,7 +219,7 @@ def layer_spec(te: Optional[bool] = None):
         from megatron_rlhf.models.norm_glu import RMSNorm, SwiGLU
 
         spec.submodules.input_layernorm = spec.submodules.pre_mlp_layernorm = RMSNorm
-        spec.submodules.mlp.submodules.activation_func = SwiGLU  # with use_te_activation_func (parallel/cpu.py)
+        megatron_version.set_mlp_activation(spec, SwiGLU)  # with use_te_activation_func (parallel/cpu.py)
     return spec
 
 

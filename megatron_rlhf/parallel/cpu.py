@@ -92,9 +92,7 @@ from typing import Any, Tuple
 
 import torch
 
-from megatron_rlhf.parallel import grad_buffer
-
-SUPPORTED_MEGATRON_CORE = "0.16.1"
+from megatron_rlhf.parallel import grad_buffer, megatron_version
 
 _enabled = False
 
@@ -172,6 +170,11 @@ CUDA_LITERAL_SITES = (  # string constants
     ("megatron.core.optimizer.distrib_optimizer", "DistributedOptimizer._build_model_and_main_param_groups"),
     ("megatron.core.optimizer.distrib_optimizer", "DistributedOptimizer.__init__"),
 )
+CUDA_LITERAL_SITES_BY_RELEASE = {  # sites that only some releases have, by (major, minor)
+    (0, 19): (
+        ("megatron.core.optimizer.optimizer", "MegatronOptimizer.has_grad_norm_group"),  # a flag's all-reduce
+    ),
+}
 CUDA_METHOD_SITES = (  # `x.cuda()` -> `x.cpu()`: the function's only use of the name `cuda`
     # weight.data.cuda() before the all-reduce of tied embeddings (pp > 1)
     ("megatron.core.models.common.language_module.language_module", "LanguageModule.setup_embeddings_and_output_layer"),
@@ -220,7 +223,8 @@ def _point_at_cpu(module: str, qualname: str, names: bool = False) -> None:
     if not changed:
         raise RuntimeError(
             f"megatron_rlhf's CPU layer: {module}.{qualname} no longer names CUDA; the megatron-core "
-            f"release differs from the supported {SUPPORTED_MEGATRON_CORE}: update CUDA_LITERAL_SITES / CUDA_METHOD_SITES"
+            f"release {megatron_version.installed()} differs from those the lists were made for: update "
+            "CUDA_LITERAL_SITES / CUDA_METHOD_SITES"
         )
     fn.__code__ = code
 
@@ -401,12 +405,7 @@ def _keep_freed_memory() -> bool:
 
 
 def _check_versions() -> None:
-    installed = importlib.metadata.version("megatron-core")
-    if installed != SUPPORTED_MEGATRON_CORE:
-        raise RuntimeError(
-            f"megatron_rlhf's CPU layer supports megatron-core=={SUPPORTED_MEGATRON_CORE}, "
-            f"found {installed}: install megatron-core=={SUPPORTED_MEGATRON_CORE} to run on CPU"
-        )
+    megatron_version.check_supported()
     try:
         import psutil  # noqa: F401
     except ImportError as e:  # pragma: no cover - install-time problem
@@ -426,7 +425,7 @@ def enable() -> bool:
     torch.cuda.current_device = lambda: "cpu"
     torch.cuda.set_device = lambda device: None
     torch.cuda.device_count = lambda: 0
-    for module, qualname in CUDA_LITERAL_SITES:
+    for module, qualname in CUDA_LITERAL_SITES + CUDA_LITERAL_SITES_BY_RELEASE.get(megatron_version.release(), ()):
         _point_at_cpu(module, qualname)
     for module, qualname in CUDA_METHOD_SITES:
         _point_at_cpu(module, qualname, names=True)

@@ -8,6 +8,7 @@ from megatron_rlhf.checkpoint import state as ckpt
 from megatron_rlhf.config import model_file
 from megatron_rlhf.config import schema as C
 from megatron_rlhf.config.fields import ConfigError
+from megatron_rlhf.parallel import megatron_version
 from megatron_rlhf.trainer.ppo.models import reward_calibration
 from tests.unit.test_checkpoint_damage import _models
 
@@ -28,7 +29,9 @@ def test_a_bad_reward_calibration_is_named_where_it_is_loaded(world, tmp_path, c
     root = _rm_checkpoint(tmp_path / "rm", calibration)
     with pytest.raises(ckpt.CheckpointError) as e:
         reward_calibration(str(root))
-    assert str(e.value).startswith(f"the reward calibration in {root / 'step_00000002' / 'common.pt'} {said}"), e.value
+    step = root / "step_00000002"
+    where = step / "common.pt" if megatron_version.common_state_file() else step  # 0.19: inside the shards
+    assert str(e.value).startswith(f"the reward calibration in {where} {said}"), e.value
     assert "ppo.normalize_reward=false" in str(e.value)
 
 
@@ -37,6 +40,7 @@ def test_a_good_calibration_loads(world, tmp_path):
                                                                                                      "std": 0.5}
 
 
+@pytest.mark.skipif(not megatron_version.common_state_file(), reason="megatron-core 0.19 writes no common.pt")
 def test_a_step_without_common_pt_is_named(world, tmp_path):
     root = _rm_checkpoint(tmp_path / "rm", {"mean": 0.3, "std": 0.5})
     (root / "step_00000002" / "common.pt").unlink()

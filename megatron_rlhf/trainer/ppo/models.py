@@ -24,6 +24,7 @@ import torch
 
 from megatron_rlhf.checkpoint import state as ckpt
 from megatron_rlhf.config.ppo import critic_free, reference_source
+from megatron_rlhf.parallel import megatron_version
 from megatron_rlhf.parallel.device import compute_device
 from megatron_rlhf.trainer.ppo.reference_swap import HostReference
 from megatron_rlhf.trainer.run import RunContext, Trainable, build_frozen, build_trainable, expected_tokenizer, with_lr
@@ -73,7 +74,7 @@ def reward_calibration(path: str) -> Dict[str, float]:
         raise ckpt.CheckpointError(
             f"reward model checkpoint {step_dir} has no reward_calibration: run stage 2 with calibration.enabled=true, "
             "or set ppo.normalize_reward=false")
-    check_calibration(calibration, step_dir / "common.pt")
+    check_calibration(calibration, step_dir / "common.pt" if megatron_version.common_state_file() else step_dir)
     return calibration
 
 
