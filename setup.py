@@ -7,7 +7,9 @@ setup(
     packages=find_packages(include=["megatron_rlhf", "megatron_rlhf.*"]),
     python_requires=">=3.10",
     install_requires=[
-        "megatron-core==0.16.1",
+        # The releases the CPU layer and CI test (parallel/megatron_version.py): 0.16.1 on Python <= 3.11 (0.17 and
+        # later need 3.12), 0.19.x on 3.12+. An installed 0.19 (an NGC container's) satisfies this and stays.
+        "megatron-core>=0.16.1,<0.20,!=0.17.*,!=0.18.*",
         # Not pinned here: on the CPU dev/CI machines the README installs torch==2.13.0 (CPU build).
         "torch>=2.4",
         "transformers>=4.45",
@@ -18,6 +20,8 @@ setup(
         "omegaconf>=2.3",
         "tqdm",
         "psutil",  # megatron's dist_checkpointing needs it; a missing one hangs the other ranks
+        "matplotlib",  # `megatron-rlhf report`'s plots (imported only there)
+        "jinja2",  # `megatron-rlhf report`'s page
     ],
     extras_require={
         # nemo-run: the tests render its Slurm dry runs; ~350 MB with ray, installs in under a minute.

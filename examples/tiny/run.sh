@@ -26,6 +26,10 @@ megatron-rlhf launch --nproc-per-node "$NPROC" ppo examples/tiny/ppo.yaml "$@"
   pairs dpo_pairs_eval prompts_eval 1000 --sharpness 1e9
   megatron-rlhf launch --nproc-per-node "$NPROC" dpo examples/tiny/dpo.yaml "$@"
 }
+# One page of every stage (docs/report.md): each stage's plots, PPO's doctor findings and held-out samples.
+runs=(runs/tiny/sft runs/tiny/rm runs/tiny/ppo)
+[ ! -f runs/tiny/dpo/metrics.jsonl ] || runs+=(runs/tiny/dpo)
+megatron-rlhf report "${runs[@]}" --out runs/tiny/report.html > /dev/null  # its path is among the closing lines
 python - <<'PY'
 import json
 import os
@@ -43,4 +47,5 @@ if os.path.exists("runs/tiny/dpo/summary.json"):
     print(f"DPO (docs/dpo.md): true reward {d['true_reward_sft']:.3f} -> {d['true_reward_dpo']:.3f}, "
           f"KL to the SFT policy per sequence {d['kl_dpo']:.3f}")
 print("run directory: runs/tiny (summary: runs/tiny/ppo/summary.json, TensorBoard: runs/tiny/*/tensorboard)")
+print("report: runs/tiny/report.html")
 PY

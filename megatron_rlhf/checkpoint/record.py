@@ -13,6 +13,7 @@ from typing import Optional
 from megatron_rlhf.checkpoint.damage import CheckpointError
 
 RUN_RECORD = "run.json"  # in each step directory: {"stage": ..., "run_id": ..., "tokenizer": {...}}
+LATEST = "latest"  # in the checkpoint root: the name of the newest complete step directory, written last
 
 
 @dataclass(frozen=True)
@@ -37,6 +38,17 @@ def read_run_record(step_dir: Path) -> Optional[RunRecord]:
         return RunRecord(str(raw["stage"]), str(raw["run_id"]), tok if isinstance(tok, dict) else None)
     except (OSError, ValueError, KeyError, TypeError, AttributeError):
         return None
+
+
+def latest_step_dir(root: Path) -> Optional[Path]:
+    """The step directory `<root>/latest` names, None when there is none (no pointer yet, or a broken one).
+    Readers of a finished or running run (the run report); a resuming run checks more (state.latest_checkpoint)."""
+    try:
+        name = (Path(root) / LATEST).read_text().strip()
+    except OSError:
+        return None
+    path = Path(root) / name
+    return path if name and path.is_dir() else None
 
 
 def check_tokenizer(step_dir: Path, current: Optional[dict], key: str) -> None:

@@ -39,13 +39,13 @@ from megatron_rlhf.checkpoint.damage import (  # noqa: F401 - CheckpointError is
     unusable_checkpoint_message,
 )
 from megatron_rlhf.checkpoint.record import (  # noqa: F401 - RunRecord and check_tokenizer are imported from here
+    LATEST,
     RUN_RECORD,
     RunRecord,
     check_tokenizer,
     read_run_record,
 )
 
-LATEST = "latest"
 _PREFIX = "step_"
 _TMP_PREFIX = ".tmp-"
 

@@ -215,7 +215,17 @@ class MetricsLogger:
         self.close()
 
 
-def read_jsonl(path: str) -> List[Dict[str, Any]]:
-    """The rows of a metrics.jsonl file (for scripts and tests)."""
+def read_jsonl(path: str, skip_bad: bool = False) -> List[Dict[str, Any]]:
+    """The rows of a metrics.jsonl file (for scripts and tests). `skip_bad`: leave out lines that are not JSON
+    (the last line of a run killed mid-write, or one being written now) instead of raising."""
+    rows = []
     with open(path) as fh:
-        return [json.loads(line) for line in fh if line.strip()]
+        for line in fh:
+            if not line.strip():
+                continue
+            try:
+                rows.append(json.loads(line))
+            except ValueError:
+                if not skip_bad:
+                    raise
+    return rows

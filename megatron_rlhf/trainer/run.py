@@ -270,6 +270,13 @@ def write_json(path: str, value: dict) -> None:
     os.replace(tmp, path)
 
 
+def append_jsonl(path: str, rows: Sequence[dict]) -> None:
+    """Append one JSON line per row (rank 0 calls it), non-finite numbers as null (as `write_json`). Readers of an
+    appended file keep the last rows per step: a resumed run repeats the steps after its checkpoint."""
+    with open(path, "a") as f:
+        f.writelines(json.dumps(_finite_or_null(r), allow_nan=False) + "\n" for r in rows)
+
+
 def _finite_or_null(value):
     if isinstance(value, float):
         return value if math.isfinite(value) else None

@@ -12,6 +12,7 @@ import re
 
 import pytest
 
+from megatron_rlhf.report.runs import read_samples
 from megatron_rlhf.trainer.metrics import read_jsonl
 from tests.distributed.launch import CLI, torchrun
 
@@ -103,6 +104,10 @@ def test_exact_resume_and_tp2_match_dp2(base, tmp_path):
     assert sorted(a) == sorted(b) == [0, 1, 2, 3]
     for step in a:  # bit-identical: a fresh optimizer, scheduler, cursor or KL state would show here
         assert learning_metrics(a[step]) == learning_metrics(b[step]), step
+    # The held-out samples of each eval (samples.jsonl, the run report's table) resume exactly too.
+    samples = read_samples(straight / "samples.jsonl")
+    assert sorted(samples) == [0, 2, 3] and samples == read_samples(resumed / "samples.jsonl")
+    assert all(set(r) == {"iteration", "row", "prompt", "response", "rm_score", "gold_score"} for r in samples[3])
     assert "ppo/policy_loss" not in a[1] and "ppo/value_loss" in a[1]  # value warm-up: no policy step...
     assert a[2]["ppo/kl_per_seq"] == 0.0  # ...so iteration 2 still samples from the SFT policy
     assert a[3]["ppo/kl_per_seq"] > 0  # then the policy moved

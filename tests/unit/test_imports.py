@@ -29,6 +29,7 @@ ALLOWED: Dict[str, Set[str]] = {
     "trainer": {"algo", "checkpoint", "config", "data", "models", "parallel", "rollout", "tasks"},
     "plan": {"config", "models", "parallel"},
     "slurm": {"config", "plan"},
+    "report": {"checkpoint.record", "trainer.metrics", "trainer.ppo.doctor"},  # reads run directories, builds nothing
     "launch": {"parallel"},
     "cli": {"config", "parallel"},  # the stages themselves are named by string and imported on demand
     "": {"parallel.eager_import"},  # megatron_rlhf/__init__.py

@@ -103,3 +103,29 @@ def test_summary_and_sample_panel():
     exp.rm_scores = torch.tensor([0.5, -1.0])
     panel = sample_panel(exp, Tok(), lambda prompts, responses: [len(r) for r in responses])
     assert panel.splitlines()[1] == "3 4 | 5 2 | 0.500 | 3.000"
+
+
+def test_sample_rows_and_append_jsonl_write_samples_jsonl(tmp_path):
+    """The held-out samples of an eval as samples.jsonl rows (the run report's table): texts as `texts` gives
+    them, the RM and gold scores; a NaN score is written as null (the file stays JSON)."""
+    import json
+
+    from megatron_rlhf.trainer.ppo.eval import sample_rows
+    from megatron_rlhf.trainer.run import append_jsonl
+
+    class Tok:
+        def decode(self, ids, skip_special_tokens=False):
+            return " ".join(str(i) for i in ids if not (skip_special_tokens and i == 1))
+
+    exp = _experience()
+    exp.rm_scores = torch.tensor([0.5, float("nan")])
+    rows = sample_rows(exp, Tok(), torch.tensor([3.0, 1.0]), rows=8)
+    assert rows == [{"prompt": "3 4", "response": "5 2", "rm_score": 0.5, "gold_score": 3.0},
+                    {"prompt": "", "response": "6 7 8", "rm_score": rows[1]["rm_score"], "gold_score": 1.0}]
+    assert sample_rows(exp, Tok(), None, rows=1) == [{"prompt": "3 4", "response": "5 2", "rm_score": 0.5,
+                                                      "gold_score": None}]
+    path = tmp_path / "samples.jsonl"
+    append_jsonl(str(path), [{"iteration": 0, **r} for r in rows])
+    append_jsonl(str(path), [{"iteration": 4, **rows[0]}])
+    written = [json.loads(line) for line in path.read_text().splitlines()]
+    assert [r["iteration"] for r in written] == [0, 0, 4] and written[1]["rm_score"] is None

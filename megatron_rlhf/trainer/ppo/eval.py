@@ -121,8 +121,12 @@ def generate(engine, prompt_rows: List[List[int]], tokenizer, sampling: Sampling
 
 @torch.no_grad()
 def evaluate(engine, models: Dict[str, list], frozen: Frozen, prompts: List[List[int]], cfg, dp_rank: int,
-             dp_size: int, tokenizer, gold: Optional[GoldScorer], dp_group=None) -> Dict[str, float]:
-    """Sampled and greedy responses to the first `ppo.eval_prompts` held-out prompts (split over DP ranks)."""
+             dp_size: int, tokenizer, gold: Optional[GoldScorer], dp_group=None,
+             samples: Optional[List[dict]] = None) -> Dict[str, float]:
+    """Sampled and greedy responses to the first `ppo.eval_prompts` held-out prompts (split over DP ranks).
+
+    `samples` (a list, given on rank 0): receives this rank's first `SAMPLE_ROWS` sampled responses as
+    {"prompt", "response", "rm_score", "gold_score" (None without a gold scorer)}."""
     p = cfg.ppo
     n = min(p.eval_prompts, len(prompts)) // dp_size * dp_size
     share = slice(dp_rank * n // dp_size, (dp_rank + 1) * n // dp_size)
@@ -136,9 +140,23 @@ def evaluate(engine, models: Dict[str, list], frozen: Frozen, prompts: List[List
             exp = score_and_recompute(generate(engine, mine, tokenizer, ppo_sampling(p, greedy), draws), forward, frozen,
                                       cfg.train.micro_batch_size, with_values=False)
             prefix = "eval/greedy_" if greedy else "eval/"
-            for k, v in sequence_means(exp, gold_scores(gold, tokenizer, exp), dp_group).items():
+            golds = gold_scores(gold, tokenizer, exp)
+            for k, v in sequence_means(exp, golds, dp_group).items():
                 result[prefix + k] = v
+            if samples is not None and not greedy:
+                samples.extend(sample_rows(exp, tokenizer, golds))
     return result
+
+
+SAMPLE_ROWS = 8  # held-out samples per evaluation in samples.jsonl (the run report's table)
+
+
+def sample_rows(exp: Experience, tokenizer, golds: Optional[torch.Tensor], rows: int = SAMPLE_ROWS) -> List[dict]:
+    """The first `rows` rollouts as {"prompt", "response", "rm_score", "gold_score"} (texts as `texts`)."""
+    part = exp.rows(range(min(rows, exp.size)))
+    prompts, responses = texts(tokenizer, part)
+    return [{"prompt": prompts[i], "response": responses[i], "rm_score": float(part.rm_scores[i]),
+             "gold_score": float(golds[i]) if golds is not None else None} for i in range(part.size)]
 
 
 def sequence_means(exp: Experience, gold: Optional[torch.Tensor], dp_group=None) -> Dict[str, float]:

@@ -42,10 +42,14 @@ from megatron_rlhf.trainer.ppo.learn import SkipGuard, TrainingDiverged, learn
 from megatron_rlhf.trainer.ppo.models import build_ppo_models
 from megatron_rlhf.trainer.ppo.ptx import PtxBatches
 from megatron_rlhf.trainer.run import (
-    StopFlag, finished_line, generation_config, open_metrics, record_run, resume_point, save_or_stop, start_run, write_json,
+    StopFlag, append_jsonl, finished_line, generation_config, open_metrics, record_run, resume_point, save_or_stop,
+    start_run, write_json,
 )
 
 NAMESPACES = ("ppo", "eval", "time", "perf", "warn")
+# <run_dir>/samples.jsonl: rows {"iteration", "row" (0, 1, ... within one eval), "prompt", "response", "rm_score",
+# "gold_score"}; a resumed run appends the evals after its checkpoint again (readers keep an iteration's last block)
+SAMPLES_FILE = "samples.jsonl"
 
 
 def run(cfg) -> int:
@@ -120,18 +124,24 @@ def fit(cfg) -> Dict[str, float]:
         metrics.write(f"checkpoint of iteration {at}: {path}")  # rank 0, above the progress bar (set below)
 
     engine = make_rollout_engine(cfg, ctx.model_cfg, m.policy.chunks, tok)  # rollout.tp: own layout if needed
-    def evaluate_policy() -> Dict[str, float]:
+    def evaluate_policy(at: int) -> Dict[str, float]:
+        """eval/* of the policy after iteration `at`; rank 0 appends a few of its samples to samples.jsonl."""
         if not eval_prompts:
             return {}
+        shown = [] if ctx.rank0 else None
         with m.frozen_on_device():
-            return evaluate(engine, m.forward_models(), frozen, eval_prompts, cfg, ctx.dp_rank, ctx.dp_size, tok,
-                            gold, dp_group)
+            result = evaluate(engine, m.forward_models(), frozen, eval_prompts, cfg, ctx.dp_rank, ctx.dp_size, tok,
+                              gold, dp_group, samples=shown)
+        if shown:
+            append_jsonl(os.path.join(cfg.logging.run_dir, SAMPLES_FILE),
+                         [{"iteration": at, "row": i, **r} for i, r in enumerate(shown)])
+        return result
 
     try:  # vLLM's shutdown destroys the process groups: it comes after everything else, the last save included
         metrics = PhaseMemory(open_metrics(cfg, ctx, p.iterations, iteration, namespaces=NAMESPACES, desc="ppo"))
         guard, stop = SkipGuard(p.max_consecutive_skips, log), StopFlag()
         if baseline is None:  # iteration 0: the SFT policy, the reference point of summary.json
-            baseline = last_eval = evaluate_policy()
+            baseline = last_eval = evaluate_policy(0)
             metrics.log(0, baseline)
         correction = (p.rollout_correction, p.rollout_correction_cap)
         stop_at = min(p.iterations, cfg.train.exit_at_step or p.iterations)
@@ -162,7 +172,7 @@ def fit(cfg) -> Dict[str, float]:
             kl_ctl.update(stats["ppo/kl_per_seq"])
             stats.update(perf_stats(batch, timing.seconds))
             if (p.eval_interval and iteration % p.eval_interval == 0) or iteration == p.iterations:
-                last_eval = evaluate_policy()
+                last_eval = evaluate_policy(iteration)
                 stats.update(last_eval)
             for warning in doctor.check(iteration, stats):
                 metrics.write(f"warning: iteration {iteration}: {warning.message}")
