@@ -53,6 +53,12 @@ class PPOSection:
     reward_load: Optional[str] = _f(None, "reward model checkpoint (stage 2 output; its reward_calibration is used)")
     value_load: Optional[str] = _f(None, "value model init checkpoint: a reward model, or a PPO checkpoint "
                                    "(its value model); null = reward_load")
+    reward_tokenizer: Optional[str] = _f(None, "the reward model's own tokenizer (an HF tokenizer directory), when "
+                                         "it is not the policy's: responses are decoded and rendered for it (its "
+                                         "chat template for message prompts); null = tokenizer.path")
+    reward_hf_config: Optional[str] = _f(None, "HF config.json (or its directory) of the reward model: its "
+                                         "architecture where ppo.reward_load is not readable here (planning a recipe "
+                                         "away from its cluster); checked against the checkpoint's when both are")
     reference_load: Optional[str] = _f(None, "frozen reference (the KL anchor) checkpoint; null = model.load. A run "
                                        "that starts its policy from a PPO checkpoint keeps its SFT reference with it")
     value_head: str = _f("rm", "value head: the RM's scalar head, or a fresh zero head", choices=("rm", "fresh"))
@@ -106,6 +112,9 @@ class PPOSection:
     max_consecutive_skips: int = _f(3, "stop after this many optimizer steps in a row skipped for NaN/Inf")
     inference_tp: Optional[int] = _f(None, "reference and reward models in their own layout: TP=this, PP=1, "
                                      "DP=world/this (loaded resharded); null = the training layout")
+    reward_inference_tp: Optional[int] = _f(None, "the reward model's own inference TP (PP=1) where it differs from "
+                                            "the reference's, e.g. an 8B reward model at TP=2 beside a 70B reference "
+                                            "at ppo.inference_tp=8; null = ppo.inference_tp")
     reference_mode: str = _f("separate", "separate: the reference is a second model; swap: its weights stay in host "
                              "memory and are swapped into the policy for the reference forward",
                              choices=("separate", "swap"))
@@ -118,6 +127,10 @@ def validate_ppo(cfg) -> None:
     p = cfg.ppo
     require(p.reward_load is not None, "ppo.reward_load is not set: give the reward model checkpoint (stage 2 output)")
     require(cfg.model.load is not None, "model.load is not set: PPO starts the policy and the reference from the SFT checkpoint")
+    require(p.reward_tokenizer is None or paths_exist(p.reward_tokenizer),
+            f"ppo.reward_tokenizer: '{p.reward_tokenizer}' not found: give the reward model's HF tokenizer directory")
+    require(p.reward_hf_config is None or paths_exist(p.reward_hf_config),
+            f"ppo.reward_hf_config: '{p.reward_hf_config}' not found")
     for name in ("iterations", "rollout_batch_size", "minibatch_size", "epochs", "max_new_tokens", "eval_prompts",
                  "max_consecutive_skips"):
         v = getattr(p, name)
@@ -208,32 +221,6 @@ def validate_siblings(cfg) -> None:
     require(p.ptx_data is None or paths_exist(p.ptx_data), f"ppo.ptx_data: '{p.ptx_data}' not found")
 
 
-_SIZE = ("num_layers", "hidden_size", "ffn_hidden_size", "num_attention_heads", "num_query_groups")
-
-
-def check_same_size(cfg, read_model_config) -> None:
-    """PPO's reward, value and reference models and DPO's reference are built with the policy's architecture
-    (one ModelConfig for all, and the planner counts them so): a checkpoint of another size is refused here,
-    before any work, instead of a shape mismatch at load. `read_model_config`: schema's reader of a
-    checkpoint's architecture."""
-    group = _group(cfg)
-    policy = {f: getattr(cfg.model, f) for f in _SIZE}
-    for key in ("reward_load", "value_load", "reference_load") if group == "ppo" else ("reference_load",):
-        path = getattr(getattr(cfg, group), key)
-        arch = read_model_config(path) if path and paths_exist(path) else None
-        if arch is None:
-            continue
-        theirs = {f: getattr(arch, f) for f in _SIZE}
-        diff = [f for f in _SIZE if theirs[f] != policy[f]]
-        if diff:
-            fix = ("give the checkpoint the policy started from (SFT)" if key == "reference_load" else
-                   "train the reward model from the SFT checkpoint (stage 2, model.load)")
-            raise ConfigError(
-                f"{group}.{key}: the model in {path} has {', '.join(f'{f}={theirs[f]}' for f in diff)} but the policy "
-                f"has {', '.join(f'{f}={policy[f]}' for f in diff)}: a reference, reward or value model of another "
-                f"size than the policy is not supported; {fix}")
-
-
 def check_ppo_layout(cfg, dp_size: int) -> None:
     """The rollout and minibatch split over data-parallel ranks and micro-batches, and the generation
     layout (`rollout` group) against the world size (one clear error)."""
@@ -256,7 +243,3 @@ def check_ppo_layout(cfg, dp_size: int) -> None:
     # Generation runs in its own tp-only layout (rollout/hybrid.py), so any pp trains.
     world = dp_size * cfg.parallel.tp * cfg.parallel.pp * cfg.parallel.cp
     check_rollout(cfg, world)
-    if p.inference_tp is not None:
-        from megatron_rlhf.config.rollout import check_layout_tp
-
-        check_layout_tp("ppo.inference_tp", p.inference_tp, world, cfg.model.to_model_config(), cfg.parallel.tp)

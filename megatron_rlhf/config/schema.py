@@ -32,7 +32,8 @@ from megatron_rlhf.config.fields import ConfigError, help_field as _f, paths_exi
 from megatron_rlhf.models.spec import ModelConfig, model_config_from_hf
 from megatron_rlhf.parallel.layout import Fp8Config, ParallelConfig
 from megatron_rlhf.config.dpo import DPOSection, validate_dpo
-from megatron_rlhf.config.ppo import PPOSection, check_same_size, validate_ppo
+from megatron_rlhf.config.ppo import PPOSection, validate_ppo
+from megatron_rlhf.config.stage_models import check_other_models
 from megatron_rlhf.config.rollout import RolloutSection
 
 
@@ -411,10 +412,10 @@ def validate(cfg: Any) -> None:
     )
     if isinstance(cfg, PPOConfig):
         validate_ppo(cfg)
-        check_same_size(cfg, read_model_config)
+        check_other_models(cfg)
     if isinstance(cfg, DPOConfig):
         validate_dpo(cfg)
-        check_same_size(cfg, read_model_config)
+        check_other_models(cfg)
     if isinstance(cfg, RMConfig):
         cal = cfg.calibration
         _require(cal.num_prompts >= 1, f"calibration.num_prompts={cal.num_prompts} must be >= 1")

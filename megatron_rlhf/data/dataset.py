@@ -26,125 +26,24 @@ data-parallel rank takes at each step.
 
 from __future__ import annotations
 
-import glob as globlib
 import hashlib
 import json
-import os
 from collections import Counter
 from dataclasses import dataclass
-from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, List, Optional, Tuple, Union
 
 import numpy as np
 
 from megatron_rlhf.config.schema import DataConfig
 from megatron_rlhf.data.report import TEMPLATE_ERROR, TOKENIZER_ERROR, DataReport, blame_tokenizer, prompt_ends
+from megatron_rlhf.data import tokenizer as T
+from megatron_rlhf.data.files import JSON_COLUMN, read_rows
 from megatron_rlhf.data.tokenizer import DataError
 
 KINDS = ("sft", "preference", "prompt")
-FORMATS = ("jsonl", "json", "parquet", "arrow")
-_EXTENSIONS = {".jsonl": "jsonl", ".json": "json", ".parquet": "parquet", ".arrow": "arrow"}
-_JSON_COLUMN = "_json"  # json/jsonl rows are read as raw text lines and parsed per row (see read_rows)
 _STATUS = "_status"
 _DETAIL = "_detail"  # what the chat template raised, for the warning naming the row (empty for other rows)
 _OK, _TRUNCATED, _OVERLONG = "ok", "truncated", "overlong"
-
-
-# --------------------------------------------------------------------------------------------
-# Reading raw rows
-# --------------------------------------------------------------------------------------------
-
-
-def resolve_files(path: str) -> List[str]:
-    """A file, a glob, or a directory (its supported files, sorted) -> list of files."""
-    if os.path.isdir(path):
-        if _is_saved_dataset(path):
-            return [path]
-        files = sorted(
-            os.path.join(path, f) for f in os.listdir(path) if os.path.splitext(f)[1] in _EXTENSIONS
-        )
-    elif os.path.isfile(path):
-        files = [path]
-    else:
-        files = sorted(f for f in globlib.glob(path) if os.path.isfile(f) or _is_saved_dataset(f))
-    if not files:
-        raise DataError(f"no data files at '{path}': give a jsonl/json/parquet/arrow file, glob or directory")
-    return files
-
-
-def _is_saved_dataset(path: str) -> bool:
-    """A directory written by `Dataset.save_to_disk`."""
-    return os.path.isdir(path) and (
-        os.path.isfile(os.path.join(path, "state.json")) or os.path.isfile(os.path.join(path, "dataset_dict.json"))
-    )
-
-
-def detect_format(files: Sequence[str], fmt: Optional[str] = None) -> str:
-    if fmt is not None:
-        if fmt not in FORMATS:
-            raise DataError(f"data.format={fmt!r} is not one of {', '.join(FORMATS)}")
-        return fmt
-    if _is_saved_dataset(files[0]):
-        return "arrow"
-    kinds = {_EXTENSIONS.get(os.path.splitext(f)[1]) for f in files}
-    if len(kinds) != 1 or None in kinds:
-        raise DataError(
-            f"cannot tell the format of {files[0]!r}{' and others' if len(files) > 1 else ''} from the "
-            f"extension: set data.format to one of {', '.join(FORMATS)}"
-        )
-    return kinds.pop()
-
-
-def read_rows(path: str, fmt: Optional[str] = None):
-    """Raw rows as a `datasets.Dataset`. Local files only.
-
-    json/jsonl are read line by line (`Dataset.from_text`) and parsed per row during tokenisation, so
-    a row with a wrongly typed field or broken JSON is one bad row, not a failed load (Arrow's JSON
-    reader rejects a whole file whose columns change type). A .json file holding one JSON array is
-    split into its elements.
-    """
-    import datasets
-
-    datasets.disable_progress_bars()
-    files = resolve_files(path)
-    fmt = detect_format(files, fmt)
-    if fmt in ("jsonl", "json"):
-        texts: List[str] = []
-        line_files = []
-        for f in files:
-            with open(f, encoding="utf-8") as fh:
-                head = fh.read(4096).lstrip()
-            if head.startswith("["):
-                try:
-                    with open(f, encoding="utf-8") as fh:
-                        items = json.load(fh)
-                except json.JSONDecodeError as e:
-                    raise DataError(f"'{f}' is not valid JSON ({e}): fix the file or write it as jsonl") from None
-                texts.extend(json.dumps(x) for x in items)
-            else:
-                line_files.append(f)
-        parts = []
-        line_files = [f for f in line_files if os.path.getsize(f) > 0]  # datasets cannot read an empty file
-        if line_files:
-            ds = datasets.Dataset.from_text(line_files, keep_in_memory=True)
-            ds = ds.filter(lambda t: bool(t.strip()), input_columns="text", keep_in_memory=True)
-            parts.append(ds.rename_column("text", _JSON_COLUMN))
-        if texts:
-            parts.append(datasets.Dataset.from_dict({_JSON_COLUMN: texts}))
-        if not parts:  # only empty files: tokenize_rows reports "no rows"
-            return datasets.Dataset.from_dict({_JSON_COLUMN: []})
-        return parts[0] if len(parts) == 1 else datasets.concatenate_datasets(parts)
-    if fmt == "parquet":
-        return datasets.Dataset.from_parquet(files, keep_in_memory=True)
-    # arrow: a save_to_disk directory or .arrow files
-    if _is_saved_dataset(files[0]):
-        loaded = datasets.load_from_disk(files[0])
-        if isinstance(loaded, datasets.DatasetDict):
-            if "train" not in loaded:
-                raise DataError(f"'{files[0]}' holds splits {list(loaded)}, none named 'train'")
-            loaded = loaded["train"]
-        return loaded
-    parts = [datasets.Dataset.from_file(f, in_memory=True) for f in files]
-    return parts[0] if len(parts) == 1 else datasets.concatenate_datasets(parts)
 
 
 # --------------------------------------------------------------------------------------------
@@ -194,6 +93,7 @@ class _Tokenize:
     def __init__(self, kind: str, cfg: DataConfig, tokenizer, from_json: bool):
         self.kind, self.cfg, self.tok, self.from_json = kind, cfg, tokenizer, from_json
         self.eos = tokenizer.eos_token_id
+        self.stops = T.stop_ids(tokenizer)  # where a sampled response ends: EOS and generation_config.json's ids
 
     def __call__(self, raw: Dict[str, Any]) -> Dict[str, Any]:
         out = self._empty()
@@ -211,13 +111,13 @@ class _Tokenize:
             return {"input_ids": [], "loss_mask": [], _STATUS: _OK, _DETAIL: ""}
         if self.kind == "preference":
             return {"chosen_ids": [], "rejected_ids": [], "prompt_len": 0, _STATUS: _OK, _DETAIL: ""}
-        return {"prompt_ids": [], _STATUS: _OK, _DETAIL: ""}
+        return {"prompt_ids": [], "prompt_source": "", _STATUS: _OK, _DETAIL: ""}
 
     def _parse(self, raw: Dict[str, Any]) -> Dict[str, Any]:
         if not self.from_json:
             return raw
         try:
-            row = json.loads(raw[_JSON_COLUMN])
+            row = json.loads(raw[JSON_COLUMN])
         except (json.JSONDecodeError, TypeError):
             raise _BadRow("invalid JSON") from None
         if not isinstance(row, dict):
@@ -328,8 +228,9 @@ class _Tokenize:
         conversations sharing every turn before their last (the prompt; a text `prompt` field beside them is
         not read), or one answer turn each after a `prompt` that is itself a message list. The prompt is
         rendered with the generation prompt, as PPO renders its prompts, and each answer ends after its first
-        EOS (the end of its turn, where a sampled response ends; EOS appended with `data.append_eos` when the
-        template ends turns with another token), so the reward model sees what PPO will show it."""
+        stop id (EOS, or any `eos_token_id` of the tokenizer's generation_config.json: the end of its turn, where a
+        sampled response ends; EOS appended with `data.append_eos` when the template ends turns with a token of
+        neither), so the reward model sees what PPO will show it."""
         c = self.cfg
         chosen, rejected = _messages(row, c.chosen_field), _messages(row, c.rejected_field)
         if isinstance(row.get(c.prompt_field), list):
@@ -345,33 +246,57 @@ class _Tokenize:
         if chosen == rejected:
             raise _BadRow(f"{c.chosen_field} equals {c.rejected_field}")
         head = self._template(prompt, generation_prompt=True)
+        return head, self.answer(prompt, head, chosen), self.answer(prompt, head, rejected)
 
-        def sequence(answer: List[Dict[str, str]]) -> List[int]:
-            ids = self._template(prompt + answer, generation_prompt=False)
-            if ids[: len(head)] != head:
-                raise _BadRow("chat template is not prefix-stable")
-            turn = ids[len(head):]
-            if self.eos in turn:
-                return head + turn[: turn.index(self.eos) + 1]
-            return head + turn + ([self.eos] if c.append_eos else [])
-
-        return head, sequence(chosen), sequence(rejected)
+    def answer(self, prompt: List[Dict[str, str]], head: List[int], answer: List[Dict[str, str]]) -> List[int]:
+        """`head` (the prompt rendered with the generation prompt) + the answer turn, cut after its first stop id
+        (EOS appended with data.append_eos when the template ends the turn with no stop id)."""
+        ids = self._template(prompt + answer, generation_prompt=False)
+        if ids[: len(head)] != head:
+            raise _BadRow("chat template is not prefix-stable")
+        turn = ids[len(head):]
+        end = T.first_stop(turn, self.stops)
+        if end is not None:
+            return head + turn[: end + 1]
+        return head + turn + ([self.eos] if self.cfg.append_eos else [])
 
     def _prompt(self, row: Dict[str, Any]) -> Dict[str, Any]:
         c = self.cfg
         if c.messages_field in row and c.prompt_field not in row:
-            ids = self._template(_messages(row, c.messages_field), generation_prompt=True)
+            source = _messages(row, c.messages_field)
         elif isinstance(row.get(c.prompt_field), list):  # a prompt of messages (conversational prompt-only rows)
-            ids = self._template(_messages(row, c.prompt_field), generation_prompt=True)
+            source = _messages(row, c.prompt_field)
         else:
-            ids = self._encode(_text(row, c.prompt_field), special=True)
+            source = _text(row, c.prompt_field)
+        ids = self.prompt_ids(source)
+        # The prompt as written (text, or the messages): a reward model with its own tokenizer renders it itself.
+        kept = {"prompt_source": json.dumps(source)}
         limit = c.max_prompt_len or c.max_seq_len
         if len(ids) > limit:
             if c.overlong == "drop":
                 return {_STATUS: _OVERLONG}
             head, tail = prompt_ends(limit)
-            return {"prompt_ids": ids[:head] + ids[len(ids) - tail:], _STATUS: _TRUNCATED}
-        return {"prompt_ids": ids, _STATUS: _OK}
+            return {"prompt_ids": ids[:head] + ids[len(ids) - tail:], **kept, _STATUS: _TRUNCATED}
+        return {"prompt_ids": ids, **kept, _STATUS: _OK}
+
+    def prompt_ids(self, source: Union[str, List[Dict[str, str]]]) -> List[int]:
+        """A prompt (text, or messages) -> its ids: with the tokenizer's special tokens, or the chat template with
+        the generation prompt."""
+        if isinstance(source, list):
+            return self._template(source, generation_prompt=True)
+        return self._encode(source, special=True)
+
+    def sequence(self, source: Union[str, List[Dict[str, str]]], response: str, ended: bool) -> Tuple[List[int], int]:
+        """(ids, prompt length) of a prompt and a response text, as a preference row {prompt, chosen: response} is
+        rendered: text: the prompt with special tokens, the response, EOS (data.append_eos); messages: the chat
+        template, the answer turn cut at its first stop id. A response that did not end (`ended` False, cut at the
+        length limit) gets no end of turn and no EOS."""
+        head = self.prompt_ids(source)
+        if not ended:
+            return head + self._encode(response, special=False), len(head)
+        if isinstance(source, list):
+            return self.answer(source, head, [{"role": "assistant", "content": response}]), len(head)
+        return head + self._response(response), len(head)
 
 
 def _features(kind: str):
@@ -382,7 +307,7 @@ def _features(kind: str):
     cols = {
         "sft": {"input_ids": ids, "loss_mask": DList(Value("int8"))},
         "preference": {"chosen_ids": ids, "rejected_ids": ids, "prompt_len": Value("int32")},
-        "prompt": {"prompt_ids": ids},
+        "prompt": {"prompt_ids": ids, "prompt_source": Value("string")},
     }[kind]
     return Features({**cols, _STATUS: Value("string"), _DETAIL: Value("string")})
 
@@ -399,7 +324,7 @@ def tokenize_rows(raw, kind: str, cfg: DataConfig, tokenizer, source: str = "dat
     if len(raw) == 0:  # checked before `map`, which gives an empty dataset no columns
         raise DataError(f"data {source}: no rows (the file is empty or holds only blank lines): give one JSON "
                         "object per line, or a json/parquet/arrow file with rows")
-    fn = _Tokenize(kind, cfg, tokenizer, from_json=_JSON_COLUMN in raw.column_names)
+    fn = _Tokenize(kind, cfg, tokenizer, from_json=JSON_COLUMN in raw.column_names)
     # An explicit fingerprint: datasets would otherwise try to hash the tokenizer (slow, warns).
     fingerprint = hashlib.sha1(
         f"{raw._fingerprint}|{kind}|{cfg}|{getattr(tokenizer, 'name_or_path', '')}|{len(tokenizer)}".encode()

@@ -11,7 +11,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-from typing import Any, Dict
+from typing import Any, Dict, Optional, Sequence, Tuple, Union
 
 
 class DataError(ValueError):
@@ -24,11 +24,11 @@ class DataError(ValueError):
 GENERIC_FAST = ("PreTrainedTokenizerFast", "TokenizersBackend")
 
 
-def load_tokenizer(path: str):
+def load_tokenizer(path: str, key: str = "tokenizer.path"):
     """A local HF tokenizer (no hub access). A missing pad token falls back to EOS: collate never
-    relies on the pad id to find real tokens (it uses lengths), so this is safe."""
+    relies on the pad id to find real tokens (it uses lengths), so this is safe. `key`: the setting, for errors."""
     if not os.path.isdir(path):
-        raise DataError(f"tokenizer.path: '{path}' is not a directory holding an HF tokenizer")
+        raise DataError(f"{key}: '{path}' is not a directory holding an HF tokenizer")
     if _tokenizer_class(path) in GENERIC_FAST and os.path.isfile(os.path.join(path, "tokenizer.json")):
         from transformers import PreTrainedTokenizerFast as tokenizer_class
     else:
@@ -37,7 +37,7 @@ def load_tokenizer(path: str):
         tok = tokenizer_class.from_pretrained(path, local_files_only=True)
     except Exception as e:
         first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-        raise DataError(f"tokenizer.path: could not load a tokenizer from '{path}': {first}") from None
+        raise DataError(f"{key}: could not load a tokenizer from '{path}': {first}") from None
     if tok.pad_token_id is None and tok.eos_token_id is not None:
         tok.pad_token = tok.eos_token
     return tok
@@ -54,11 +54,11 @@ def _tokenizer_class(path: str):
     return config.get("tokenizer_class") if isinstance(config, dict) else None
 
 
-def check_vocab(tokenizer, vocab_size: int) -> None:
-    """`DataError` if the tokenizer can produce ids the model has no embedding for."""
+def check_vocab(tokenizer, vocab_size: int, model: str = "model") -> None:
+    """`DataError` if the tokenizer can produce ids the model has no embedding for (`model`: which, for errors)."""
     if len(tokenizer) > vocab_size:
         raise DataError(
-            f"tokenizer has {len(tokenizer)} tokens but model.vocab_size={vocab_size}: use the model's tokenizer"
+            f"tokenizer has {len(tokenizer)} tokens but {model}.vocab_size={vocab_size}: use the model's tokenizer"
         )
 
 
@@ -70,6 +70,42 @@ def require_eos(tokenizer, stage: str) -> None:
             f"tokenizer.path: the tokenizer at '{tokenizer.name_or_path}' has no EOS token, and {stage} ends "
             "every response at EOS (without one each response is cut at the length limit and penalised): "
             "use a tokenizer with an eos_token (set it in its tokenizer_config.json)")
+
+
+def stop_ids(tokenizer) -> Tuple[int, ...]:
+    """The ids a response ends at: the tokenizer's EOS first, then every `eos_token_id` of the
+    `generation_config.json` beside the tokenizer (an id or a list: Llama-3.1-Instruct lists 128001, 128008 and
+    128009; Gemma adds `<end_of_turn>`, Phi-3 `<|end|>`). () without either. The sampler, vLLM, the missing-EOS
+    penalty, sampled preference pairs and chat preference rows all end responses at this set."""
+    eos = tokenizer.eos_token_id
+    listed = _generation_eos(str(getattr(tokenizer, "name_or_path", "") or ""))
+    out = ([] if eos is None else [int(eos)]) + [i for i in listed if i != eos]
+    return tuple(dict.fromkeys(out))
+
+
+def _generation_eos(directory: str) -> Tuple[int, ...]:
+    path = os.path.join(directory, "generation_config.json")
+    if not directory or not os.path.isfile(path):
+        return ()
+    try:
+        with open(path, encoding="utf-8") as fh:
+            value = json.load(fh).get("eos_token_id")
+    except (OSError, ValueError, AttributeError):
+        return ()  # config/generation.py reports an unreadable file where the run reads its sampling
+    values = value if isinstance(value, list) else [value]
+    return tuple(int(v) for v in values if isinstance(v, int) and not isinstance(v, bool) and v >= 0)
+
+
+def stop_set(eos: Union[None, int, Sequence[int]]) -> Tuple[int, ...]:
+    """An engine's `eos_id` argument (None, one id, or the stop set) -> the tuple of stop ids."""
+    if eos is None:
+        return ()
+    return (int(eos),) if isinstance(eos, int) else tuple(int(i) for i in eos)
+
+
+def first_stop(ids: Sequence[int], stops: Sequence[int]) -> Optional[int]:
+    """The index of the first id of `ids` in the stop set `stops`, or None."""
+    return next((i for i, t in enumerate(ids) if t in stops), None)
 
 
 def fingerprint(tokenizer) -> Dict[str, Any]:

@@ -2,9 +2,10 @@
 
     plan = plan_stage(cfg, "ppo", Cluster(nodes=16, gpus_per_node=8, gpu_memory_gib=80))
 
-PPO has four models (ppo-spec.md): policy and value train in the training layout (parallel.*); the
-frozen reference and reward models run in the inference layout (TP=ppo.inference_tp, PP=1) when that
-key is set (the hybrid-engine issue), in the training layout otherwise; the policy generates in the
+PPO has four models (ppo-spec.md), each counted with its own architecture (config/stage_models.py: a 70B policy
+beside an 8B reward model and critic): policy and value train in the training layout (parallel.*); the
+frozen reference and reward models run in the inference layout (TP=ppo.inference_tp, PP=1; the reward model's
+ppo.reward_inference_tp) when that key is set (the hybrid-engine issue), in the training layout otherwise; the policy generates in the
 generation layout (TP=rollout.tp, PP=1, DP=world/rollout.tp; the training TP when unset).
 
 Peak bytes per GPU = resident state (weights, gradients, optimizer of every model on the GPU) + the
@@ -26,7 +27,7 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Dict, List, Optional
 
-from megatron_rlhf.models.spec import ModelConfig
+from megatron_rlhf.config.stage_models import check_ppo_stage, other_models, reward_inference_tp
 from megatron_rlhf.parallel.layout import LayoutError, validate_layout
 from megatron_rlhf.plan.memory import (Activations, ModelMemory, activation_bytes, dtype_bytes, inference_bytes,
                                        kv_cache_bytes, model_memory)
@@ -118,21 +119,6 @@ def _phase_what(phase: str) -> str:
             "eval": "KV cache, and the reference reloaded after precompute"}.get(phase, phase)
 
 
-def _arch(path: Optional[str], default: ModelConfig) -> ModelConfig:
-    """The architecture saved with a checkpoint (reward/value model), or `default` when unknown."""
-    if path:
-        from megatron_rlhf.config.model_file import read_model_config
-
-        try:
-            found = read_model_config(path)
-        except OSError:
-            found = None
-        if found is not None:
-            return dataclasses.replace(found, params_dtype=default.params_dtype,
-                                       make_vocab_size_divisible_by=default.make_vocab_size_divisible_by)
-    return default
-
-
 def check_layouts(cfg, stage: str, world: int) -> None:
     """Every divisibility the stage needs (LayoutError / ConfigError, one line each)."""
     from megatron_rlhf.config.schema import check_batch_layout
@@ -148,9 +134,8 @@ def check_layouts(cfg, stage: str, world: int) -> None:
 
             check_dpo_layout(cfg)
         return
-    from megatron_rlhf.config.ppo import check_ppo_layout
 
-    check_ppo_layout(cfg, dp)  # the PPO stage's own check at start: the plan accepts what the run accepts
+    check_ppo_stage(cfg, dp)  # the PPO stage's own check at start: the plan accepts what the run accepts
 
 
 def plan_stage(cfg, stage: str, cluster: Cluster, suggest: bool = True) -> Plan:
@@ -198,22 +183,25 @@ def _plan_ppo(cfg, cluster, policy_arch, train_layout, trained_kw, frozen_kw, ac
     p, t, ppo, world = cfg.parallel, cfg.train, cfg.ppo, cluster.world
     dp = p.dp(world)
     seq = (cfg.data.max_prompt_len or cfg.data.max_seq_len) + ppo.max_new_tokens
-    value_arch = _arch(ppo.value_load or ppo.reward_load, policy_arch)
-    reward_arch = _arch(ppo.reward_load, policy_arch)
+    arch = {m.name: m.arch for m in other_models(cfg)}  # each model's own (config/stage_models.py)
+    value_arch, reward_arch = arch.get("value", policy_arch), arch["reward"]
+    reference_arch = arch.get("reference", policy_arch)  # ppo.reference_mode=swap: the policy's own model
     inf_tp = ppo.inference_tp
     inf_layout = train_layout if inf_tp is None else Layout(inf_tp, 1)
+    reward_tp = reward_inference_tp(ppo)
+    reward_layout = train_layout if reward_tp is None else Layout(reward_tp, 1)
     policy = model_memory("policy", policy_arch, train_layout, "lm", **trained_kw)
     value = model_memory("value", value_arch, train_layout, "scalar", **trained_kw)
     swap_reference = ppo.reference_mode == "swap"
     # ppo.reference_mode=swap: no reference model on the GPU; the policy's chunks run its forward (training layout)
     ref_layout = train_layout if swap_reference else inf_layout
-    reference = model_memory("reference", policy_arch, ref_layout, "lm", **frozen_kw)
-    reward = model_memory("reward", reward_arch, inf_layout, "scalar", **frozen_kw)
+    reference = model_memory("reference", reference_arch, ref_layout, "lm", **frozen_kw)
+    reward = model_memory("reward", reward_arch, reward_layout, "scalar", **frozen_kw)
     nmb = ppo.minibatch_size // (dp * t.micro_batch_size)
     policy.activations = activation_bytes(policy_arch, train_layout, act(t.micro_batch_size, seq, nmb), "lm")
     value.activations = activation_bytes(value_arch, train_layout, act(t.micro_batch_size, seq, nmb), "scalar")
-    reference.activations = inference_bytes(policy_arch, ref_layout, t.micro_batch_size, seq, "lm")
-    reward.activations = inference_bytes(reward_arch, inf_layout, t.micro_batch_size, seq, "scalar")
+    reference.activations = inference_bytes(reference_arch, ref_layout, t.micro_batch_size, seq, "lm")
+    reward.activations = inference_bytes(reward_arch, reward_layout, t.micro_batch_size, seq, "scalar")
     gen_tp = generation_tp(cfg)
     gen_layout = Layout(gen_tp, 1)
     gen_dp = world // gen_tp
@@ -263,11 +251,12 @@ def _plan_dpo(cfg, cluster, arch, layout, trained_kw, frozen_kw, act, notes) -> 
     t, d, world = cfg.train, cfg.dpo, cluster.world
     dp = cfg.parallel.dp(world)
     seq, rows = cfg.data.max_seq_len, 2 * t.micro_batch_size
+    [ref] = other_models(cfg)
     policy = model_memory("policy", arch, layout, "lm", **trained_kw)
-    reference = model_memory("reference", arch, layout, "lm", **frozen_kw)
+    reference = model_memory("reference", ref.arch, layout, "lm", **frozen_kw)
     nmb = t.global_batch_size // (t.micro_batch_size * dp)
     policy.activations = activation_bytes(arch, layout, act(rows, seq, nmb), "lm")
-    reference.activations = inference_bytes(arch, layout, rows, seq, "lm")
+    reference.activations = inference_bytes(ref.arch, layout, rows, seq, "lm")
     reference.resident = d.reference_logprobs == "online"
     reference.away = "only before the policy is built, for the reference log-probs"
     alone = 0.0 if reference.resident else reference.weights - policy.state
@@ -275,7 +264,7 @@ def _plan_dpo(cfg, cluster, arch, layout, trained_kw, frozen_kw, act, notes) -> 
     if d.eval_prompts_path is not None:
         share, length = -(-d.eval_prompts // dp), (cfg.data.max_prompt_len or seq) + d.max_new_tokens
         again = 0.0 if reference.resident else reference.weights  # an online reference is the one evaluated
-        phases["eval"] = again + kv_cache_bytes(arch, layout.tp, share, length)
+        phases["eval"] = again + max(kv_cache_bytes(a, layout.tp, share, length) for a in (arch, ref.arch))
     return Plan("dpo", world, dp, [policy, reference], phases, _usable(cluster), notes=notes)
 
 

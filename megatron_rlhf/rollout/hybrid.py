@@ -29,7 +29,7 @@ Sampling draws (`uniforms`) travel with their rows, so tokens do not depend on e
 
 from __future__ import annotations
 
-from typing import List, Optional, Sequence
+from typing import List, Optional, Sequence, Union
 
 import torch
 import torch.distributed as dist
@@ -147,7 +147,8 @@ class HybridRolloutEngine(RolloutEngine):
     shares_policy_weights = False
 
     def __init__(self, train_chunks: Sequence[torch.nn.Module], model_cfg, train_tp: int, tp: int, *,
-                 eos_id: Optional[int], pad_id: int, vocab_size: int, release_device: Optional[str] = "auto"):
+                 eos_id: Union[None, int, Sequence[int]], pad_id: int, vocab_size: int,
+                 release_device: Optional[str] = "auto"):
         """release_device: where the training weights are released from during decoding (offload.released:
         "auto" = CUDA if present; None keeps them; "cpu" runs the moves on CPU, for tests)."""
         self.train_chunks, self.release_device = list(train_chunks), release_device
@@ -180,7 +181,9 @@ def make_rollout_engine(cfg, model_cfg, train_chunks: List[torch.nn.Module], tok
     """The PPO stage's engine for `rollout.engine` and `rollout.tp` (collective when it builds a layout)."""
     from megatron_rlhf.config.rollout import generation_tp
 
-    kw = dict(eos_id=tokenizer.eos_token_id, pad_id=tokenizer.pad_token_id, vocab_size=model_cfg.vocab_size)
+    from megatron_rlhf.data.tokenizer import stop_ids
+
+    kw = dict(eos_id=stop_ids(tokenizer), pad_id=tokenizer.pad_token_id, vocab_size=model_cfg.vocab_size)
     tp = generation_tp(cfg)
     release = "auto" if cfg.rollout.release_training_weights else None
     if cfg.rollout.engine == "vllm":

@@ -36,6 +36,7 @@ from typing import Dict, Iterable, List, Optional, Sequence, Tuple, Union
 
 import torch
 
+from megatron_rlhf.data.tokenizer import stop_ids, stop_set
 from megatron_rlhf.parallel.device import device_of
 from megatron_rlhf.rollout.base import RolloutEngine, SamplingParams
 
@@ -48,7 +49,7 @@ def generate(
     prompt_ids: torch.Tensor,
     *,
     max_new_tokens: int,
-    eos_id: Optional[int],
+    eos_id: Union[None, int, Sequence[int]],
     pad_id: int,
     vocab_size: int,
     prompt_mask: Optional[torch.Tensor] = None,
@@ -71,7 +72,8 @@ def generate(
         real tokens, which must be the last ones of each row) or prompt_lengths [b] (real tokens are
         the last prompt_lengths[i] columns). Every prompt needs at least one real token. The prompts may
         be on the host with the model on a GPU; the results are on the model's device.
-    eos_id: generation of a row stops after it emits this id (None: always run max_new_tokens).
+    eos_id: generation of a row stops after it emits this id, or any id of a sequence of them (the stop set,
+        data/tokenizer.py `stop_ids`); None or (): always run max_new_tokens.
     pad_id: filler for response_ids after the end of each response.
     vocab_size: the TRUE vocabulary size; logits for padded ids (>= vocab_size) are dropped.
     temperature, greedy, top_k, top_p: see `SamplingParams`.
@@ -92,7 +94,9 @@ def generate(
     device = device_of(gpt)
     prompt_ids = prompt_ids.to(device)  # prompts may come from the host while the model is on a GPU
     lengths = _prompt_lengths(prompt_ids, prompt_mask, prompt_lengths).to(device)
-    _check_ids(prompt_ids, lengths, vocab_size, eos_id, pad_id)
+    stops = stop_set(eos_id)
+    _check_ids(prompt_ids, lengths, vocab_size, stops, pad_id)
+    eos_id = torch.tensor(stops, dtype=prompt_ids.dtype, device=device) if stops else None
     if generator is None and seed is not None:
         generator = torch.Generator(device=device).manual_seed(seed)
 
@@ -113,12 +117,12 @@ def generate(
 def generate_for_prompts(model: Model, examples: Sequence[dict], tokenizer, *, vocab_size: int,
                          max_new_tokens: int, temperature: float = 1.0, generator=None, seed=None) -> Dict[str, torch.Tensor]:
     """`generate` for tokenised prompt rows (`data.load_examples("prompt", ...)`: `prompt_ids`),
-    left-padded with `collate.collate_prompts`, ending at the tokenizer's EOS."""
+    left-padded with `collate.collate_prompts`, ending at the tokenizer's stop set (`stop_ids`)."""
     from megatron_rlhf.data.collate import collate_prompts
 
     batch = collate_prompts(examples, pad_id=tokenizer.pad_token_id)
     return generate(model, batch["input_ids"], prompt_mask=batch["attention_mask"], max_new_tokens=max_new_tokens,
-                    eos_id=tokenizer.eos_token_id, pad_id=tokenizer.pad_token_id, vocab_size=vocab_size,
+                    eos_id=stop_ids(tokenizer), pad_id=tokenizer.pad_token_id, vocab_size=vocab_size,
                     temperature=temperature, generator=generator, seed=seed)
 
 
@@ -127,7 +131,7 @@ class MegatronRolloutEngine(RolloutEngine):
 
     shares_policy_weights = True
 
-    def __init__(self, model: Model, *, eos_id: Optional[int], pad_id: int, vocab_size: int):
+    def __init__(self, model: Model, *, eos_id: Union[None, int, Sequence[int]], pad_id: int, vocab_size: int):
         self.model = model
         self.eos_id, self.pad_id, self.vocab_size = eos_id, pad_id, vocab_size
 
@@ -194,7 +198,7 @@ def _decode(gpt, prompt_ids, lengths, sampling: SamplingParams, eos_id, pad_id, 
         seq[:, t] = torch.where(take, token, seq[:, t])
         slot_logprobs[:, t] = token_logprob
         if eos_id is not None:
-            ended |= take & (token == eos_id)
+            ended |= take & torch.isin(token, eos_id)
             if t >= longest and bool((ended | (last_slot <= t)).all()):
                 break
         if t == width - 1:
@@ -209,8 +213,8 @@ def _responses(seq, slot_logprobs, lengths, ended, T: int, eos_id, pad_id: int) 
     response = seq.gather(1, at)
     n_generated = torch.full_like(lengths, T)
     if eos_id is not None:
-        # An ended row stops after its first EOS; later slots were never written.
-        first_eos = (response == eos_id).int().argmax(dim=1)
+        # An ended row stops after its first stop id; later slots were never written.
+        first_eos = torch.isin(response, eos_id).int().argmax(dim=1)
         n_generated = torch.where(ended, first_eos + 1, n_generated)
     mask = torch.arange(T, device=seq.device).unsqueeze(0) < n_generated.unsqueeze(1)
     return {
@@ -393,7 +397,7 @@ def _prompt_lengths(prompt_ids, prompt_mask, prompt_lengths) -> torch.Tensor:
     return lengths
 
 
-def _check_ids(prompt_ids, lengths, vocab_size: int, eos_id, pad_id: int) -> None:
+def _check_ids(prompt_ids, lengths, vocab_size: int, stops: Tuple[int, ...], pad_id: int) -> None:
     s = prompt_ids.shape[1]
     real = torch.arange(s, device=prompt_ids.device).unsqueeze(0) >= (s - lengths).unsqueeze(1)
     ids = prompt_ids[real]
@@ -401,8 +405,10 @@ def _check_ids(prompt_ids, lengths, vocab_size: int, eos_id, pad_id: int) -> Non
         raise ValueError(
             f"prompt token ids must be in [0, vocab_size={vocab_size}), got [{int(ids.min())}, {int(ids.max())}]"
         )
-    if eos_id is not None and not 0 <= eos_id < vocab_size:
-        raise ValueError(f"eos_id={eos_id} is not a token id of the vocabulary (size {vocab_size})")
+    for eos_id in stops:
+        if not 0 <= eos_id < vocab_size:
+            raise ValueError(f"eos_id={eos_id} (a stop id) is not a token id of the vocabulary (size {vocab_size}): "
+                             "fix generation_config.json's eos_token_id or the tokenizer's eos_token")
     if not 0 <= pad_id < vocab_size:
         raise ValueError(f"pad_id={pad_id} must be a token id in [0, {vocab_size}) (it is fed to finished rows)")
 

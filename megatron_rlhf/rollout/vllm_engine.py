@@ -38,6 +38,7 @@ from typing import Dict, Iterable, Iterator, Optional, Sequence, Tuple
 import torch
 
 from megatron_rlhf.config.rollout import VLLMSection, require_vllm
+from megatron_rlhf.data.tokenizer import stop_set
 from megatron_rlhf.models.hf_config import hf_config_for_export
 from megatron_rlhf.models.hf_mapping import iter_hf_weights
 from megatron_rlhf.rollout.base import RolloutEngine, SamplingParams
@@ -137,7 +138,7 @@ class VLLMRolloutEngine(RolloutEngine):
 
     shares_policy_weights = False
 
-    def __init__(self, train_chunks, model_cfg, tp: int, run_dir: str, *, eos_id: Optional[int], pad_id: int,
+    def __init__(self, train_chunks, model_cfg, tp: int, run_dir: str, *, eos_id, pad_id: int,
                  seed: int, settings: Optional[VLLMSection] = None, release_device: Optional[str] = "auto"):
         require_vllm()
         import torch.distributed as dist
@@ -146,7 +147,7 @@ class VLLMRolloutEngine(RolloutEngine):
         world, rank = dist.get_world_size(), dist.get_rank()
         self.layout = Layout(tp, world // tp, rank % tp, rank // tp, None)
         self.train_chunks, self.model_cfg, self.release_device = train_chunks, model_cfg, release_device
-        self.eos_id, self.pad_id = eos_id, pad_id
+        self.stops, self.pad_id = stop_set(eos_id), pad_id  # an id or the stop set (data/tokenizer.py stop_ids)
         self.on_gpu = torch.cuda.is_available()
         root = settings.cache_dir or os.path.join(run_dir, "vllm")
         config_dir = os.path.join(root, "config")
@@ -220,8 +221,9 @@ class VLLMRolloutEngine(RolloutEngine):
                 seeds: list) -> Dict[str, torch.Tensor]:
         from vllm import SamplingParams as VLLMSampling
 
-        # ignore_eos: vLLM would also stop at the config's eos_token_id; the engine's EOS is the tokenizer's.
-        stop = dict(ignore_eos=True, stop_token_ids=[self.eos_id] if self.eos_id is not None else None)
+        # ignore_eos: vLLM would also stop at its own reading of the config's eos_token_id; the engine stops at the
+        # run's stop set (the tokenizer's EOS and generation_config.json's ids), as the Megatron sampler does.
+        stop = dict(ignore_eos=True, stop_token_ids=list(self.stops) or None)
         params = [VLLMSampling(n=1, temperature=0.0 if sampling.greedy else sampling.temperature,
                                top_p=sampling.top_p, top_k=sampling.top_k, seed=s,
                                max_tokens=sampling.max_new_tokens, logprobs=0, detokenize=False, **stop)

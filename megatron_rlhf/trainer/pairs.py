@@ -45,6 +45,7 @@ from typing import Dict, List, Optional, Sequence, Tuple
 import torch
 
 from megatron_rlhf.config.fields import ConfigError, load_gold_scorer
+from megatron_rlhf.data.tokenizer import first_stop, stop_ids
 from megatron_rlhf.tasks import sort_digits
 
 Row = Dict[str, object]
@@ -100,15 +101,19 @@ def sampling_temperature(args: argparse.Namespace) -> Optional[str]:
     return G.apply_checkpoint_sampling(args, "--", G.find_generation_config(args.policy), explicit)
 
 
-def response_text(ids: Sequence[int], eos_id: int, tokenizer) -> Tuple[str, bool]:
-    """Generated ids [n] (the sample's own tokens, filler cut off) -> (words before the first EOS,
-    finished = EOS was emitted). A special token the policy sampled mid-response (say <pad>) stays as
-    its word: dropping it would change the response's true score and length."""
+def response_text(ids: Sequence[int], stops: Sequence[int], tokenizer) -> Tuple[str, bool]:
+    """Generated ids [n] (the sample's own tokens, filler cut off) -> (words before the first stop id (EOS, or
+    any of the stop set `stop_ids`), finished = one was emitted). A special token the policy sampled
+    mid-response (say <pad>) stays as its word: dropping it would change the response's true score and length."""
+    ids, end = _until_stop(ids, stops)
+    return " ".join(tokenizer.convert_ids_to_tokens(ids)), end is not None
+
+
+def _until_stop(ids: Sequence[int], stops: Sequence[int]) -> Tuple[List[int], Optional[int]]:
+    """(the ids before the first stop id, its index or None)."""
     ids = [int(i) for i in ids]
-    finished = eos_id in ids
-    if finished:
-        ids = ids[: ids.index(eos_id)]
-    return " ".join(tokenizer.convert_ids_to_tokens(ids)), finished
+    end = first_stop(ids, stops)
+    return (ids if end is None else ids[:end]), end
 
 
 Response = Tuple[str, bool]  # (text, finished)
@@ -120,6 +125,7 @@ class Scoring:
 
     def __init__(self, spec: str, tokenizer):
         self.tiny, self.spec, self.tok = spec == TINY_SCORER, spec, tokenizer
+        self.stops = stop_ids(tokenizer)
         self.fn, self._cache = None, {}
         if not self.tiny:
             self.fn = load_gold_scorer(spec, option="--gold-scorer ")
@@ -137,12 +143,9 @@ class Scoring:
 
     def response(self, ids: Sequence[int]) -> Response:
         if self.tiny:
-            return response_text(ids, self.tok.eos_token_id, self.tok)
-        ids = [int(i) for i in ids]
-        finished = self.tok.eos_token_id in ids
-        if finished:
-            ids = ids[: ids.index(self.tok.eos_token_id)]
-        return self.tok.decode(ids, skip_special_tokens=False), finished
+            return response_text(ids, self.stops, self.tok)
+        ids, end = _until_stop(ids, self.stops)
+        return self.tok.decode(ids, skip_special_tokens=False), end is not None
 
     def score(self, prompt: str, response: Response) -> float:
         if self.tiny:

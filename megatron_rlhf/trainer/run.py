@@ -119,23 +119,27 @@ def _lock_run_dirs(cfg, rank0: bool) -> None:
 
 
 def build_frozen(cfg, ctx: RunContext, head: str, load: Optional[str], source_name: ckpt.Sources, *,
-                 skip_head: bool = False, key: Optional[str] = None) -> List[torch.nn.Module]:
+                 skip_head: bool = False, key: Optional[str] = None, model_cfg=None,
+                 tokenizer=None) -> List[torch.nn.Module]:
     """Model chunks in the training layout with weights from `load` (model `source_name` in it; `key`: the
-    setting `load` came from, for errors)."""
+    setting `load` came from, for errors). `model_cfg`: its architecture (default: the policy's, ctx.model_cfg);
+    `tokenizer`: the one its checkpoint must have been trained with (default: the run's, ctx.tokenizer)."""
+    model_cfg = model_cfg or ctx.model_cfg
     if not load:
-        return build_model(ctx.model_cfg, cfg.parallel, head=head, fp8=cfg.fp8)
-    return ckpt.load_model(load, ctx.model_cfg, cfg.parallel, source_name, head, fp8=cfg.fp8, skip_head=skip_head,
-                           key=key, tokenizer=expected_tokenizer(cfg, ctx.tokenizer))
+        return build_model(model_cfg, cfg.parallel, head=head, fp8=cfg.fp8)
+    return ckpt.load_model(load, model_cfg, cfg.parallel, source_name, head, fp8=cfg.fp8, skip_head=skip_head,
+                           key=key, tokenizer=expected_tokenizer(cfg, tokenizer or ctx.tokenizer))
 
 
 def build_trainable(cfg, ctx: RunContext, head: str, load: Optional[str], source_name: ckpt.Sources,
                     total_steps: int, *, train_cfg=None, skip_head: bool = False, check_for_nan_in_grad: bool = True,
-                    key: Optional[str] = None) -> Trainable:
+                    key: Optional[str] = None, model_cfg=None) -> Trainable:
     """Model -> initial weights (`load`, or fresh) -> Megatron DDP -> optimizer + scheduler.
 
-    `train_cfg` (default `cfg.train`) gives lr, schedule, Adam and clipping settings.
+    `train_cfg` (default `cfg.train`) gives lr, schedule, Adam and clipping settings; `model_cfg` the architecture
+    (default: the policy's).
     """
-    chunks = build_frozen(cfg, ctx, head, load, source_name, skip_head=skip_head, key=key)
+    chunks = build_frozen(cfg, ctx, head, load, source_name, skip_head=skip_head, key=key, model_cfg=model_cfg)
     chunks = wrap_ddp(chunks, cfg.parallel.use_distributed_optimizer, check_for_nan_in_grad=check_for_nan_in_grad)
     optimizer, scheduler = build_optimizer(chunks, train_cfg or cfg.train, cfg.parallel.use_distributed_optimizer,
                                            total_steps)
@@ -173,6 +177,12 @@ def record_run(cfg, ctx: RunContext) -> None:
     if ctx.rank0:
         C.save_resolved(cfg, cfg.logging.run_dir)
         model_file.write_model_config(ctx.model_cfg, ctx.ckpt_root)
+        if isinstance(cfg, C.PPOConfig):  # a later ppo.value_load of this run builds its critic from it
+            from megatron_rlhf.config.stage_models import VALUE_MODEL_CONFIG_FILE, other_models
+
+            value = [m.arch for m in other_models(cfg) if m.name == "value"]
+            if value:
+                model_file.write_model_config(value[0], ctx.ckpt_root, VALUE_MODEL_CONFIG_FILE)
         gen = generation_config(cfg, ctx.tokenizer)
         if gen is not None:
             os.makedirs(ctx.ckpt_root, exist_ok=True)

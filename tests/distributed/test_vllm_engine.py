@@ -3,7 +3,7 @@ with tied embeddings (SmolLM2's: vLLM's reload alone would keep a stale output l
 only: `dp2` covers untied weights through vLLM at TP=1, and `w1` stays in the script for a manual check.
 
 scripts/vllm_engine.py streams a tiny Megatron policy's weights into vLLM and into transformers' Llama:
-greedy tokens and EOS stops equal `generate` on left-padded prompts of different lengths, before and after
+greedy tokens and stops at a stop set of two ids equal `generate` on left-padded prompts of different lengths, before and after
 a weight change (and the change shows); sampled tokens' log-probs equal the trainer's recomputation
 (mean |rho - 1| < 0.01, fp32); the same draws give the same tokens; the process keeps its thread count,
 a working `torch.set_num_threads` and its RNG state. scripts/vllm_train_after.py: training on the same tokens
@@ -31,6 +31,8 @@ def test_vllm_engine_matches_transformers(layout, nproc, tmp_path):
     assert r["after"] == r["after_hf"], "after a weight change, greedy tokens differ from transformers' generate"
     assert r["after"] != r["before"], "the weight change did not change the output"
     assert any(ended for _, ended in r["before"]) and not all(ended for _, ended in r["before"]), r["before"]
+    # Both ids of the stop set end rows in vLLM (stop_token_ids), as in transformers (issue 45 item 6).
+    assert {row[-1] for row, ended in r["before"] if ended} == set(r["eos"]), (r["eos"], r["before"])
     deviation, tokens = map(sum, zip(*r["rho_abs_dev"]))
     assert tokens > 20 and deviation / tokens < 0.01, r["rho_abs_dev"]
     assert r["same_draws_same_tokens"]

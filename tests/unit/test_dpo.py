@@ -106,9 +106,11 @@ def test_bad_dpo_settings_fail_in_one_line_naming_the_key(paths, override, culpr
     assert "\n" not in message and culprit in message, message
 
 
-def test_reference_load_sets_the_reference_and_must_match_the_policy(paths, tmp_path):
+def test_reference_load_sets_the_reference_with_its_own_architecture(paths, tmp_path):
     """dpo.reference_load (a policy continuing from a DPO run keeps its SFT reference) is where the reference
-    comes from; a checkpoint of another size is refused by the config check, before any work."""
+    comes from; a checkpoint of another size is built with its own architecture, and one that does not fit the
+    layout is refused by the config check, before any work."""
+    from megatron_rlhf.config.stage_models import other_models
     from megatron_rlhf.config import model_file
     from megatron_rlhf.config.ppo import reference_source
     from megatron_rlhf.models.spec import ModelConfig
@@ -121,10 +123,14 @@ def test_reference_load_sets_the_reference_and_must_match_the_policy(paths, tmp_
                                                 "num_query_groups", "vocab_size", "max_position_embeddings")}
     other = str(tmp_path / "other")
     model_file.write_model_config(ModelConfig(**{**arch, "num_layers": arch["num_layers"] + 1}), other)
-    with pytest.raises(C.ConfigError, match=rf"^dpo.reference_load: the model in .* has num_layers="
-                                            rf"{arch['num_layers'] + 1} but the policy has num_layers="
-                                            rf"{arch['num_layers']}: .*; give the checkpoint the policy started from"):
-        C.load_config(C.DPOConfig, None, paths + [f"dpo.reference_load={other}"])
+    cfg = C.load_config(C.DPOConfig, None, paths + [f"dpo.reference_load={other}"])
+    [reference] = other_models(cfg)
+    assert reference.arch.num_layers == arch["num_layers"] + 1 and reference.key == "dpo.reference_load"
+    odd = arch["num_layers"] + 1 if arch["num_layers"] % 2 == 0 else arch["num_layers"] + 2
+    model_file.write_model_config(ModelConfig(**{**arch, "num_layers": odd}), other)
+    with pytest.raises(C.ConfigError, match=rf"^the reference model \(dpo.reference_load=.*\) runs in the "
+                                            rf"policy's layout: num_layers={odd} is not divisible by pp=2"):
+        C.load_config(C.DPOConfig, None, paths + [f"dpo.reference_load={other}", "parallel.pp=2"])
 
 
 def test_eval_prompts_need_a_sampling_layout(paths, tmp_path):

@@ -16,6 +16,7 @@ from megatron_rlhf.plan.planner import GIB, Cluster, plan_stage
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 EX = os.path.join(ROOT, "examples")
 R8, R70 = os.path.join(EX, "llama3_8b_ppo.yaml"), os.path.join(EX, "llama3_70b_ppo.yaml")
+R70_8 = os.path.join(EX, "llama3_70b_ppo_8b_rm.yaml")
 DPO8, SFT8 = os.path.join(EX, "llama3_8b_dpo.yaml"), os.path.join(EX, "llama3_8b_sft.yaml")
 C8, C70 = os.path.join(EX, "llama3_8b_slurm.yaml"), os.path.join(EX, "llama3_70b_slurm.yaml")
 LLAMA2_7B = ["model.num_layers=32", "model.hidden_size=4096", "model.ffn_hidden_size=11008",
@@ -129,6 +130,24 @@ def test_llama3_70b_recipe_by_hand():
     assert plan.phases["rollout"] == p.kv_cache + p.generation_weights - in_host - p.weights
     kept = _plan(R70, C70, "rollout.release_training_weights=false")
     assert kept.phases["rollout"] == plan.phases["rollout"] + p.weights
+
+
+def test_a_70b_policy_with_an_8b_reward_model_and_critic_counts_each_model_with_its_own_size():
+    """Issue 45 item 5: the 8B reward model's architecture from ppo.reward_hf_config (its checkpoint lives on the
+    cluster), the critic from it; the critic trains at the policy's TP=8 x PP=4 x VPP=4 (8 layers per stage), the
+    reward model scores at its own TP=2."""
+    plan = _plan(R70_8, C70)
+    m = {x.name: x for x in plan.models}
+    h, f, kv, v = 4096, 14336, 8 * 128, 128256  # Llama-3-8B; a scalar head has no vocabulary projection
+    layer = lambda tp: 2 * h + h * (h + 2 * kv) // tp + h * h // tp + 3 * h * f // tp  # noqa: E731
+    padded = 128256  # a multiple of 128 * 2
+    assert m["value"].layout.startswith("TP=8 PP=4 VPP=4")
+    assert m["value"].params_per_gpu == max(129024 * h // 8 + 8 * layer(8), 8 * layer(8) + h + h)
+    assert m["reward"].layout.startswith("TP=2 PP=1")
+    assert m["reward"].params_per_gpu == padded * h // 2 + 32 * layer(2) + h + h
+    assert m["reference"].params_per_gpu == _plan(R70, C70).models[2].params_per_gpu  # the 70B reference stays
+    assert m["policy"].params_per_gpu > 7 * m["value"].params_per_gpu  # 70.6B against 7.5B in one layout
+    assert plan.fits and plan.total < _plan(R70, C70).total
 
 
 def test_llama3_8b_dpo_recipe_by_hand():

@@ -82,21 +82,44 @@ def test_an_lm_checkpoint_where_a_reward_model_belongs_names_the_key_and_the_hea
         ckpt.load_model_weights(rm, _models()["policy"], "policy", "lm")
 
 
-def test_a_reward_model_of_another_size_is_refused_in_the_config_check(tmp_path):
+def test_a_reward_model_of_another_size_takes_its_own_architecture_and_must_fit_the_layout(tmp_path):
+    """Issue 45 item 1: the reward model (and the critic it starts) is built from the architecture its checkpoint
+    records; one that does not divide the layout it runs in, or reads other tokens, is one line naming the numbers."""
+    from megatron_rlhf.config.stage_models import check_other_models, other_models
     from megatron_rlhf.models.spec import ModelConfig
     from tests.unit.test_checkpoint_damage import CFG
 
-    model_file.write_model_config(ModelConfig(**{**CFG, "hidden_size": 64, "ffn_hidden_size": 128}), str(tmp_path / "rm"))
+    model_file.write_model_config(ModelConfig(**{**CFG, "hidden_size": 48, "ffn_hidden_size": 96, "num_layers": 3,
+                                                 "num_attention_heads": 6, "num_query_groups": 3}), str(tmp_path / "rm"))
     cfg = C.PPOConfig()
     for k, v in CFG.items():
         setattr(cfg.model, k, v)
     cfg.ppo.reward_load = str(tmp_path / "rm")
+    check_other_models(cfg)  # part of the PPO config check (schema.validate)
+    arch = {m.name: m.arch for m in other_models(cfg)}
+    assert (arch["reward"].hidden_size, arch["reward"].num_layers) == (48, 3) and arch["value"] == arch["reward"]
+    assert arch["reference"] == cfg.model.to_model_config()  # model.load's: the policy's own
+    cfg.parallel.pp = 2
     with pytest.raises(ConfigError) as e:
-        C.check_same_size(cfg, model_file.read_model_config)  # part of the PPO config check (schema.validate)
-    assert str(e.value).startswith(f"ppo.reward_load: the model in {tmp_path / 'rm'} has hidden_size=64, "
-                                   "ffn_hidden_size=128 but the policy has hidden_size=32, ffn_hidden_size=64: a "
-                                   "reference, reward or value model of another size than the policy is not "
-                                   "supported"), e.value
+        check_other_models(cfg)
+    assert str(e.value) == (f"the reward model (ppo.reward_load={tmp_path / 'rm'}) runs (ppo.inference_tp unset) in "
+                            "the policy's layout: num_layers=3 is not divisible by pp=2: pick a pipeline size that "
+                            "divides 3"), e.value
+    cfg.ppo.inference_tp = 1  # its own layout (PP=1) takes 3 layers; the critic still trains at pp=2
+    with pytest.raises(ConfigError, match=r"^the value model \(ppo.reward_load=.*\) trains in the policy's layout: "
+                                          r"num_layers=3 is not divisible by pp=2"):
+        check_other_models(cfg, world=4)
+    cfg.parallel.pp, cfg.ppo.inference_tp = 1, 2
+    with pytest.raises(ConfigError, match=r"^the reward model \(ppo.reward_load=.*\): ppo.inference_tp=2 does not "
+                                          r"divide model.num_attention_heads=6 and model.num_query_groups=3"):
+        check_other_models(cfg, world=2)
+    cfg.ppo.inference_tp = None
+    model_file.write_model_config(ModelConfig(**{**CFG, "vocab_size": CFG["vocab_size"] + 1}), str(tmp_path / "v"))
+    cfg.ppo.value_load = str(tmp_path / "v")
+    with pytest.raises(ConfigError, match=rf"^the value model \(ppo.value_load=.*\) has vocab_size="
+                                          rf"{CFG['vocab_size'] + 1} but the policy has {CFG['vocab_size']}: a value "
+                                          r"model scores the policy's own tokens"):
+        check_other_models(cfg)
 
 
 def test_dpo_pairs_that_differ_only_in_whitespace_are_bad_rows(tmp_path):
@@ -132,7 +155,8 @@ def test_a_reference_load_with_the_swapped_reference_is_refused():
         validate_ppo(cfg)
 
 
-def test_a_reference_of_another_size_is_refused_in_the_config_check(tmp_path):
+def test_a_reference_of_another_size_is_built_with_its_own_architecture(tmp_path):
+    from megatron_rlhf.config.stage_models import check_other_models, other_models
     from megatron_rlhf.models.spec import ModelConfig
     from tests.unit.test_checkpoint_damage import CFG
 
@@ -141,6 +165,35 @@ def test_a_reference_of_another_size_is_refused_in_the_config_check(tmp_path):
     for k, v in CFG.items():
         setattr(cfg.model, k, v)
     cfg.ppo.reference_load = str(tmp_path / "sft")
-    with pytest.raises(ConfigError, match=r"^ppo.reference_load: the model in .* has num_layers=4 but the policy has "
-                                          r"num_layers=2: a reference, reward or value model of another size"):
-        C.check_same_size(cfg, model_file.read_model_config)
+    check_other_models(cfg)
+    [reference] = [m for m in other_models(cfg) if m.name == "reference"]
+    assert reference.key == "ppo.reference_load" and reference.arch.num_layers == 4 and not reference.trained
+    model_file.write_model_config(ModelConfig(**{**CFG, "max_position_embeddings": 8}), str(tmp_path / "short"))
+    cfg.ppo.reference_load = str(tmp_path / "short")
+    with pytest.raises(ConfigError, match=r"^the reference model \(ppo.reference_load=.*\) has "
+                                          r"max_position_embeddings=8, fewer than a prompt and its response"):
+        check_other_models(cfg)
+
+def test_reward_hf_config_states_the_architecture_and_must_agree_with_the_checkpoint(tmp_path):
+    """Planning away from the cluster: ppo.reward_hf_config gives the reward model's shape; where the checkpoint is
+    readable too, the two must agree (one line naming the numbers)."""
+    import os
+
+    from megatron_rlhf.config.stage_models import other_models
+    from megatron_rlhf.models.spec import ModelConfig
+    from tests.unit.test_checkpoint_damage import CFG
+
+    hf = os.path.join(os.path.dirname(__file__), "..", "..", "examples", "llama3_8b_config.json")
+    cfg = C.PPOConfig()
+    for k, v in CFG.items():
+        setattr(cfg.model, k, v)
+    cfg.ppo.reward_load, cfg.ppo.reward_hf_config = "/cluster/only/rm", hf
+    arch = {m.name: m.arch for m in other_models(cfg)}
+    assert (arch["reward"].num_layers, arch["reward"].hidden_size, arch["value"].ffn_hidden_size) == (32, 4096, 14336)
+    assert arch["reward"].params_dtype == cfg.model.params_dtype  # the run's dtype, not the file's
+    model_file.write_model_config(ModelConfig(**{**CFG, "vocab_size": 128256}), str(tmp_path / "rm"))
+    cfg.ppo.reward_load = str(tmp_path / "rm")
+    with pytest.raises(ConfigError, match=r"^ppo.reward_hf_config \(.*llama3_8b_config.json\) has num_layers=32, "
+                                          r"hidden_size=4096, .* but the reward model in .*rm has num_layers=2, "
+                                          r"hidden_size=32, .*: remove ppo.reward_hf_config or point it at"):
+        other_models(cfg)

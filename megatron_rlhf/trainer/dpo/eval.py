@@ -19,6 +19,7 @@ from typing import Callable, Dict, List
 import torch
 
 from megatron_rlhf.data import dataset as D
+from megatron_rlhf.data.tokenizer import stop_ids
 from megatron_rlhf.algo import masked
 from megatron_rlhf.config.fields import load_gold_scorer
 from megatron_rlhf.rollout.base import SamplingParams
@@ -44,7 +45,7 @@ def sample_and_score(policy, reference, prompts: List[List[int]], cfg, tokenizer
     n = min(d.eval_prompts, len(prompts)) // dp_size * dp_size
     share = slice(dp_rank * n // dp_size, (dp_rank + 1) * n // dp_size)
     draws = None if greedy else uniforms(cfg.train.seed + EVAL_SEED_OFFSET, 0, share, n, d.max_new_tokens)
-    engine = MegatronRolloutEngine(policy, eos_id=tokenizer.eos_token_id, pad_id=tokenizer.pad_token_id,
+    engine = MegatronRolloutEngine(policy, eos_id=stop_ids(tokenizer), pad_id=tokenizer.pad_token_id,
                                    vocab_size=vocab)
     exp = generate(engine, prompts[share], tokenizer, SamplingParams(d.max_new_tokens, d.temperature, greedy=greedy),
                    draws)

@@ -90,8 +90,11 @@ def build_reference(cfg, tokenizer) -> List[torch.nn.Module]:
     from megatron_rlhf.trainer.ppo.models import freeze
     from megatron_rlhf.trainer.run import expected_tokenizer
 
+    from megatron_rlhf.config.stage_models import other_models
+
     load, key = reference_source(cfg)
-    return freeze(ckpt.load_model(load, cfg.model.to_model_config(), cfg.parallel, "policy", "lm", fp8=cfg.fp8,
+    [reference] = other_models(cfg)  # its own architecture: the one its checkpoint records
+    return freeze(ckpt.load_model(load, reference.arch, cfg.parallel, "policy", "lm", fp8=cfg.fp8,
                                   key=key, tokenizer=expected_tokenizer(cfg, tokenizer)))
 
 

@@ -33,13 +33,17 @@ Batch = Dict[str, torch.Tensor]
 
 @dataclass
 class Frozen:
-    """What scoring needs besides the models: vocabulary, temperature and reward normalisation."""
+    """What scoring needs besides the models: vocabulary, temperature and reward normalisation.
+
+    `reward_rows` (ppo.reward_tokenizer): a policy micro-batch -> the reward model's own rows of it
+    (trainer/ppo/reward_tokens.py); None: the reward model reads the policy's tokens."""
 
     vocab_size: int
     temperature: float
     reward_mean: float = 0.0
     reward_std: float = 1.0
     missing_eos_penalty: float = 1.0
+    reward_rows: Optional[Callable[[Batch], Batch]] = None
 
 
 def tp_group():
@@ -92,9 +96,16 @@ def response_values(output: torch.Tensor, mb: Batch) -> torch.Tensor:
     return pick_rows(output, mb["response_index"]).squeeze(-1).float()
 
 
-def last_token_scores(output: torch.Tensor, mb: Batch) -> torch.Tensor:
-    """Scalar-head output [b, S, 1] -> [b] at each row's last real token (prompt + response - 1)."""
-    return heads.last_token_scores(output, mb["prompt_lengths"] + mb["response_mask"].sum(-1).long())
+def scoring_rows(mb: Batch) -> Batch:
+    """A policy micro-batch as the reward model reads it with the policy's tokens: {input_ids [b, S], lengths [b]
+    (prompt + response tokens, the score is read at lengths - 1)}. With ppo.reward_tokenizer the reward model
+    gets rows of the same form in its own tokens (Frozen.reward_rows)."""
+    return {"input_ids": mb["input_ids"], "lengths": mb["prompt_lengths"] + mb["response_mask"].sum(-1).long()}
+
+
+def last_token_scores(output: torch.Tensor, rows: Batch) -> torch.Tensor:
+    """Scalar-head output [b, S, 1] -> [b] at each row's last real token (`rows` from `scoring_rows`)."""
+    return heads.last_token_scores(output, rows["lengths"])
 
 
 def forward_collect(chunks, microbatches: List[Batch], extract: Callable[[torch.Tensor, Batch], torch.Tensor],
@@ -164,10 +175,22 @@ def score_and_recompute(exp: Experience, models: Dict[str, list], frozen: Frozen
 
 
 def score_responses(reward_chunks, microbatches: List[Batch], frozen: Frozen) -> tuple[torch.Tensor, torch.Tensor]:
-    """Phase 2 alone: (normalised RM scores [B], scores [B] with -missing_eos_penalty where no EOS)."""
-    raw = torch.cat(forward_collect(reward_chunks, microbatches, last_token_scores))
+    """Phase 2 alone: (normalised RM scores [B], scores [B] with -missing_eos_penalty where no EOS: the policy's
+    own stop set, read from the policy micro-batches)."""
+    rows = [(frozen.reward_rows or scoring_rows)(mb) for mb in microbatches]
+    if len(rows) > 1 and frozen.reward_rows is not None and _pipeline_stages() > 1:  # one width through the pipe
+        width = max(r["input_ids"].shape[1] for r in rows)
+        rows = [{**r, "input_ids": torch.nn.functional.pad(r["input_ids"], (0, width - r["input_ids"].shape[1]))}
+                for r in rows]
+    raw = torch.cat(forward_collect(reward_chunks, rows, last_token_scores))
     rm_scores = (raw - frozen.reward_mean) / frozen.reward_std
     return rm_scores, penalize_missing_eos(rm_scores, _ended(microbatches), -frozen.missing_eos_penalty)
+
+
+def _pipeline_stages() -> int:
+    from megatron.core import parallel_state as ps
+
+    return ps.get_pipeline_model_parallel_world_size()
 
 
 def _ended(microbatches: List[Batch]) -> torch.Tensor:

@@ -2,7 +2,8 @@
 
 One iteration, each phase timed as time/<phase>:
     1. rollout     ppo.rollout_batch_size prompts (split over data-parallel ranks) -> the RolloutEngine
-    2-3. score     reward model, missing-EOS penalty, normalisation; old/reference logprobs, values
+    2-3. score     reward model, missing-EOS penalty, normalisation; old/reference logprobs, values (with
+                   ppo.reward_tokenizer, time/retokenize of it renders the rows for the reward model)
     4. advantages  shaped rewards -> GAE -> whitening over all DP ranks (trainer/ppo/experience.py); or the
                    critic-free ppo.advantage_estimator grpo/rloo/remax (trainer/ppo/critic_free.py)
     5. train       ppo.epochs x minibatches: one policy step and one value step each (trainer/ppo/learn.py)
@@ -31,7 +32,8 @@ from megatron_rlhf.parallel.cpu import peak_memory_gib
 from megatron_rlhf.parallel import init
 from megatron_rlhf.config.fields import ConfigError, load_gold_scorer
 from megatron_rlhf.config.generation import GENERATION_CONFIG
-from megatron_rlhf.config.ppo import check_ppo_layout, rollouts_per_iteration
+from megatron_rlhf.config.ppo import rollouts_per_iteration
+from megatron_rlhf.config.stage_models import check_ppo_stage
 from megatron_rlhf.rollout.hybrid import make_rollout_engine
 from megatron_rlhf.rollout.offload import PhaseMemory, offloaded
 from megatron_rlhf.trainer.ppo import critic_free as cf
@@ -41,6 +43,7 @@ from megatron_rlhf.trainer.ppo.eval import evaluate, generate, ppo_sampling, sam
 from megatron_rlhf.trainer.ppo.learn import SkipGuard, TrainingDiverged, learn
 from megatron_rlhf.trainer.ppo.models import build_ppo_models
 from megatron_rlhf.trainer.ppo.ptx import PtxBatches
+from megatron_rlhf.trainer.ppo.reward_tokens import RewardTokens, load_reward_tokenizer, prompt_sources
 from megatron_rlhf.trainer.run import (
     StopFlag, append_jsonl, finished_line, generation_config, open_metrics, record_run, resume_point, save_or_stop,
     start_run, write_json,
@@ -69,12 +72,13 @@ def run(cfg) -> int:
 def fit(cfg) -> Dict[str, float]:
     """Train to `ppo.iterations` (or a stop request); returns the last eval metrics."""
     p, started = cfg.ppo, time.time()
-    ctx = start_run(cfg, lambda dp: check_ppo_layout(cfg, dp))
+    ctx = start_run(cfg, lambda dp: check_ppo_stage(cfg, dp))
     from megatron.core import parallel_state as ps
 
     dp_group, tok, log = ps.get_data_parallel_group(), ctx.tokenizer, ctx.log
     T.require_eos(tok, "PPO")
-    train_prompts, eval_prompts = load_prompts(cfg, tok, log)
+    train_prompts, eval_prompts, sources = load_prompts(cfg, tok, log)
+    reward_tok = load_reward_tokenizer(cfg, sources)
     if eval_prompts and min(p.eval_prompts, len(eval_prompts)) < ctx.dp_size:  # each rank evaluates a share
         raise ConfigError(f"held-out evaluation needs a prompt per data-parallel rank: {len(eval_prompts)} in "
                           f"data.eval_path, ppo.eval_prompts={p.eval_prompts}, {ctx.dp_size} ranks; give more held-out "
@@ -82,9 +86,13 @@ def fit(cfg) -> Dict[str, float]:
     sampler = ShardedBatchSampler(len(train_prompts), p.rollout_batch_size, ctx.dp_rank, ctx.dp_size, seed=cfg.data.seed,
                                   key="ppo.rollout_batch_size")
     steps_per_iteration = p.epochs * (rollouts_per_iteration(p) // p.minibatch_size)
-    m = build_ppo_models(cfg, ctx, p.iterations * steps_per_iteration)
+    m = build_ppo_models(cfg, ctx, p.iterations * steps_per_iteration, reward_tokenizer=reward_tok)
     vocab = ctx.model_cfg.vocab_size
-    frozen = Frozen(vocab, p.temperature, m.reward_mean, m.reward_std, p.missing_eos_penalty)
+    reward_rows = None
+    if reward_tok is not None:
+        limit = m.reward_arch.max_position_embeddings
+        reward_rows = RewardTokens(tok, reward_tok, cfg.data, sources, limit)
+    frozen = Frozen(vocab, p.temperature, m.reward_mean, m.reward_std, p.missing_eos_penalty, reward_rows)
     kl_ctl = (AdaptiveKLController(p.beta, p.adaptive_kl_target, p.adaptive_kl_gain) if p.adaptive_kl_target
               else FixedKLController(p.beta))
     doctor, gold = Doctor(p.doctor), load_gold_scorer(p.gold_scorer)
@@ -135,6 +143,8 @@ def fit(cfg) -> Dict[str, float]:
         if shown:
             append_jsonl(os.path.join(cfg.logging.run_dir, SAMPLES_FILE),
                          [{"iteration": at, "row": i, **r} for i, r in enumerate(shown)])
+        if reward_rows is not None:
+            reward_rows.take_counts()  # time/retokenize is the training rollout's
         return result
 
     try:  # vLLM's shutdown destroys the process groups: it comes after everything else, the last save included
@@ -158,6 +168,7 @@ def fit(cfg) -> Dict[str, float]:
                                             old_logprobs=p.old_logprobs)
                         greedy = cf.remax_baseline(engine, [train_prompts[i] for i in prompt_indices], tok, m.reward,
                                                    frozen, cfg)
+                    retokenized = reward_rows.take_counts() if reward_rows is not None else None
                 with metrics.timer("time/advantages"):
                     group = cf.estimate(exp, cfg.ppo, kl_ctl.beta, greedy, dp_group)  # GAE, or grpo/rloo/remax
                     stats = {f"ppo/{k}": float(v) for k, v in {**rollout_stats(exp, dp_group, correction), **group}.items()}
@@ -167,6 +178,8 @@ def fit(cfg) -> Dict[str, float]:
                                     dp_size=ctx.dp_size, vocab_size=vocab, guard=guard, steps_done=steps_done,
                                     train_policy=iteration >= p.value_warmup_iterations, beta=kl_ctl.beta, ptx=ptx)
             iteration += 1
+            if retokenized is not None:
+                stats.update(retokenize_stats(retokenized, m.reward_arch.max_position_embeddings, iteration, metrics))
             stats.update({f"ppo/{k}": v for k, v in learned.items()})
             stats["ppo/beta"] = kl_ctl.beta
             kl_ctl.update(stats["ppo/kl_per_seq"])
@@ -197,11 +210,24 @@ def fit(cfg) -> Dict[str, float]:
     return last_eval
 
 
-def load_prompts(cfg, tokenizer, log) -> tuple[List[List[int]], List[List[int]]]:
-    """Token ids of the training prompts (data.train_path) and the held-out ones (data.eval_path, may be empty)."""
+def load_prompts(cfg, tokenizer, log) -> tuple[List[List[int]], List[List[int]], dict]:
+    """Token ids of the training prompts (data.train_path) and the held-out ones (data.eval_path, may be empty), and
+    with ppo.reward_tokenizer each prompt's source by its ids (reward_tokens.prompt_sources; else {})."""
     train, _ = D.load_examples("prompt", cfg.data, tokenizer, cfg.data.train_path, log)
     held_out = D.load_examples("prompt", cfg.data, tokenizer, cfg.data.eval_path, log)[0] if cfg.data.eval_path else None
-    return list(train["prompt_ids"]), list(held_out["prompt_ids"]) if held_out is not None else []
+    sources = prompt_sources(train, held_out) if cfg.ppo.reward_tokenizer else {}
+    return list(train["prompt_ids"]), list(held_out["prompt_ids"]) if held_out is not None else [], sources
+
+
+def retokenize_stats(counts: tuple, limit: int, iteration: int, metrics) -> Dict[str, float]:
+    """time/retokenize and ppo/reward_truncated_fraction of this rank's rollout (reward_tokens.RewardTokens), and a
+    warning when rows were cut to the reward model's positions."""
+    seconds, rows, truncated = counts
+    if truncated:
+        metrics.write(f"warning: iteration {iteration}: {truncated} of {rows} responses with their prompts are longer "
+                      f"than the reward model's {limit} positions and were cut (the prompt's start and the response "
+                      "kept): shorten data.max_prompt_len or ppo.max_new_tokens")
+    return {"time/retokenize": seconds, "ppo/reward_truncated_fraction": truncated / max(rows, 1)}
 
 
 def rollout(engine, prompts: List[List[int]], indices: List[int], cfg, iteration: int, dp_rank: int, tokenizer) -> Experience:

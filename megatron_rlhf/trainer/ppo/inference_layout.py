@@ -1,5 +1,5 @@
-"""Frozen reference and reward models in the inference layout (`ppo.inference_tp`: TP = inference_tp,
-PP = 1, DP = world / inference_tp), apart from the training layout.
+"""Frozen reference and reward models in an inference layout (`ppo.inference_tp`, and the reward model's own
+`ppo.reward_inference_tp`: TP = that, PP = 1, DP = world / TP), apart from the training layout.
 
 The models are built with their own process groups (rollout/layout.py's `tp_only_layout`) and filled
 from their distributed checkpoints, resharded at load: no training-layout copy is ever built.
@@ -15,19 +15,20 @@ from typing import Dict, List, Optional
 
 import torch
 
-from megatron_rlhf.config.ppo import reference_source
 from megatron_rlhf.models.logit_rows import logits_at
 from megatron_rlhf.models.logprobs import token_logprobs
 from megatron_rlhf.parallel.device import on_device_of
 from megatron_rlhf.rollout import redistribute as R
 from megatron_rlhf.rollout.layout import Layout, build_in_layout, run_in_layout
 
-ROW_KEYS = ("input_ids", "prompt_lengths", "response_ids", "response_mask")
+ROW_KEYS = ("input_ids", "prompt_lengths", "response_ids", "response_mask")  # what an lm head reads
+SCORE_KEYS = ("input_ids", "lengths")  # what a scalar head reads (experience.scoring_rows)
 
 
 class InferenceModel:
     """A frozen model in a tp-only layout. `collect_rows(microbatches)` is what `experience.py` asks of it:
-    lm head -> log-probs [b, T] of the response tokens; scalar head -> score [b] at the last real token."""
+    lm head -> log-probs [b, T] of the response tokens; scalar head -> score [b] at the last real token of
+    scoring rows ({input_ids, lengths}, experience.scoring_rows)."""
 
     def __init__(self, model: torch.nn.Module, layout: Layout, head: str, vocab_size: int, temperature: float):
         self.model, self.layout, self.head = model.eval(), layout, head
@@ -46,18 +47,21 @@ class InferenceModel:
                 return {"out": torch.cat([self._forward(R.take(part, torch.arange(s, min(s + size, n))))
                                           for s in range(0, n, size)])}
 
-        out = run_in_layout(self.layout, _rows(microbatches), _concat_rows, forward)["out"]
+        keys = ROW_KEYS if self.head == "lm" else SCORE_KEYS
+        out = run_in_layout(self.layout, _concat_rows([{k: mb[k] for k in keys} for mb in microbatches]),
+                            _concat_rows, forward)["out"]
         return out.to(microbatches[0]["input_ids"].device)
 
     def _forward(self, mb: Dict[str, torch.Tensor]) -> torch.Tensor:
         from megatron_rlhf.trainer.step import position_ids_for
 
         mb = on_device_of(self.model, mb)
-        ids, lengths, T = mb["input_ids"], mb["prompt_lengths"], mb["response_ids"].shape[1]
+        ids = mb["input_ids"]
         if self.head == "scalar":
             output = self.model(ids, position_ids_for(ids), None)  # [b, S, 1] scores
-            last = (lengths + mb["response_mask"].sum(-1).long() - 1).clamp(min=0)
+            last = (mb["lengths"] - 1).clamp(min=0)
             return output.squeeze(-1).gather(1, last.unsqueeze(1)).squeeze(1).float().cpu()
+        lengths, T = mb["prompt_lengths"], mb["response_ids"].shape[1]
         index = ((lengths - 1).unsqueeze(1) + torch.arange(T, device=ids.device)).clamp(max=ids.shape[1] - 1)
         with logits_at(self.model, index):
             z = self.model(ids, position_ids_for(ids), None)  # [b, T, V/tp]: the response positions' logits
@@ -65,14 +69,10 @@ class InferenceModel:
         return token_logprobs(z, mb["response_ids"], group, self.vocab_size, self.temperature).float().cpu()
 
 
-def _rows(microbatches: List[Dict[str, torch.Tensor]]) -> Dict[str, torch.Tensor]:
-    return _concat_rows([{k: mb[k] for k in ROW_KEYS} for mb in microbatches])
-
-
 def _concat_rows(parts: List[Dict[str, torch.Tensor]]) -> Dict[str, torch.Tensor]:
     """Row dicts -> one, input_ids RIGHT-padded (sequences start at position 0) to the widest."""
     width = max(p["input_ids"].shape[1] for p in parts)
-    out = {k: torch.cat([p[k].cpu() for p in parts]) for k in ROW_KEYS if k != "input_ids"}
+    out = {k: torch.cat([p[k].cpu() for p in parts]) for k in parts[0] if k != "input_ids"}
     out["input_ids"] = torch.cat([torch.nn.functional.pad(p["input_ids"].cpu(), (0, width - p["input_ids"].shape[1]))
                                   for p in parts])
     return out
@@ -96,14 +96,18 @@ def build_inference_model(cfg, model_cfg, layout: Layout, head: str, load: str, 
     return InferenceModel(model, layout, head, model_cfg.vocab_size, temperature)
 
 
-def build_frozen_pair(cfg, model_cfg, with_reference: bool = True, tokenizer=None) -> tuple:
-    """(reference, reward) for `ppo.inference_tp`: one layout, both models loaded into it (collective).
-    `with_reference=False` (ppo.reference_mode=swap): the reward model only; reference is None."""
-    from megatron_rlhf.rollout.layout import tp_only_layout
+class InferenceLayouts:
+    """The inference layouts of a run's frozen models, one per TP (`ppo.inference_tp`, `ppo.reward_inference_tp`),
+    made when first asked for (collective: every rank builds the same models in the same order)."""
 
-    layout = tp_only_layout(cfg.ppo.inference_tp)
-    t = cfg.ppo.temperature
-    load, key = reference_source(cfg)
-    reference = (build_inference_model(cfg, model_cfg, layout, "lm", load, "policy", t, tokenizer, key=key)
-                 if with_reference else None)
-    return reference, build_inference_model(cfg, model_cfg, layout, "scalar", cfg.ppo.reward_load, "reward", t, tokenizer)
+    def __init__(self, cfg):
+        self.cfg, self.layouts = cfg, {}
+
+    def build(self, tp: int, model_cfg, head: str, load: str, source_name: str, tokenizer=None,
+              key: Optional[str] = None) -> InferenceModel:
+        from megatron_rlhf.rollout.layout import tp_only_layout
+
+        if tp not in self.layouts:
+            self.layouts[tp] = tp_only_layout(tp)
+        return build_inference_model(self.cfg, model_cfg, self.layouts[tp], head, load, source_name,
+                                     self.cfg.ppo.temperature, tokenizer, key=key)

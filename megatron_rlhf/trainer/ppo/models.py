@@ -39,6 +39,7 @@ class PPOModels:
     reward_mean: float
     reward_std: float
     offload_frozen: bool = False
+    reward_arch: Optional[object] = None  # the reward model's ModelConfig (its own, config/stage_models.py)
 
     @contextlib.contextmanager
     def frozen_on_device(self) -> Iterator[None]:
@@ -101,9 +102,14 @@ def check_calibration(calibration, where) -> None:
         raise bad(f"has std={calibration['std']}: the reward model gives every sample the same score")
 
 
-def build_ppo_models(cfg, ctx: RunContext, total_steps: int) -> PPOModels:
-    """Build and initialise the four models, three for the critic-free estimators (collective)."""
+def build_ppo_models(cfg, ctx: RunContext, total_steps: int, reward_tokenizer=None) -> PPOModels:
+    """Build and initialise the four models, three for the critic-free estimators (collective). Reward, value and
+    reference each have their checkpoint's own architecture (config/stage_models.py); the reward model's checkpoint
+    must have been trained with `reward_tokenizer` (ppo.reward_tokenizer) when given, else the policy's."""
+    from megatron_rlhf.config.stage_models import other_models
+
     p = cfg.ppo
+    arch = {m.name: m.arch for m in other_models(cfg)}
     torch.manual_seed(cfg.train.seed)
     policy = build_trainable(cfg, ctx, "lm", cfg.model.load, "policy", total_steps, check_for_nan_in_grad=False)
     # ppo.reference_mode=swap: the reference is the policy as loaded (both from model.load), kept in host memory
@@ -113,17 +119,29 @@ def build_ppo_models(cfg, ctx: RunContext, total_steps: int) -> PPOModels:
         source = ("value", "reward") if p.value_load else "reward"  # a PPO run's critic, or a reward model
         value = build_trainable(cfg, ctx, "scalar", p.value_load or p.reward_load, source, total_steps,
                                 train_cfg=with_lr(cfg.train, p.value_lr), skip_head=p.value_head == "fresh",
-                                check_for_nan_in_grad=False, key="ppo.value_load" if p.value_load else "ppo.reward_load")
-    if p.inference_tp is None:
-        load, key = reference_source(cfg)
-        reference = swapped if swapped is not None else freeze(build_frozen(cfg, ctx, "lm", load, "policy", key=key))
-        reward = freeze(build_frozen(cfg, ctx, "scalar", p.reward_load, "reward"))
-    else:  # their own layout, TP = ppo.inference_tp and PP = 1 (trainer/ppo/inference_layout.py)
-        from megatron_rlhf.trainer.ppo.inference_layout import build_frozen_pair
+                                check_for_nan_in_grad=False, key="ppo.value_load" if p.value_load else "ppo.reward_load",
+                                model_cfg=arch["value"])
+    # Frozen models: the training layout, or their own inference layout (TP = ppo.inference_tp /
+    # ppo.reward_inference_tp, PP = 1; trainer/ppo/inference_layout.py), each model by itself.
+    from megatron_rlhf.config.stage_models import reward_inference_tp
+    from megatron_rlhf.trainer.ppo.inference_layout import InferenceLayouts
 
-        reference, reward = build_frozen_pair(cfg, ctx.model_cfg, with_reference=swapped is None,
-                                              tokenizer=expected_tokenizer(cfg, ctx.tokenizer))
-        reference = swapped if swapped is not None else reference
+    layouts = InferenceLayouts(cfg)
+    load, key = reference_source(cfg)
+    if swapped is not None:
+        reference = swapped
+    elif p.inference_tp is None:
+        reference = freeze(build_frozen(cfg, ctx, "lm", load, "policy", key=key, model_cfg=arch["reference"]))
+    else:
+        reference = layouts.build(p.inference_tp, arch["reference"], "lm", load, "policy",
+                                  tokenizer=expected_tokenizer(cfg, ctx.tokenizer), key=key)
+    reward_tp = reward_inference_tp(p)
+    if reward_tp is None:
+        reward = freeze(build_frozen(cfg, ctx, "scalar", p.reward_load, "reward", model_cfg=arch["reward"],
+                                     tokenizer=reward_tokenizer))
+    else:
+        reward = layouts.build(reward_tp, arch["reward"], "scalar", p.reward_load, "reward",
+                               tokenizer=expected_tokenizer(cfg, reward_tokenizer or ctx.tokenizer))
     mean, std = 0.0, 1.0
     if p.normalize_reward:
         cal = reward_calibration(p.reward_load)
@@ -132,7 +150,7 @@ def build_ppo_models(cfg, ctx: RunContext, total_steps: int) -> PPOModels:
             ctx.log(f"reward normalisation from {p.reward_load}: (score - {mean:.4f}) / {std:.4f}")
     offload_now(reference, p.offload_frozen)
     offload_now(reward, p.offload_frozen)
-    return PPOModels(policy, value, reference, reward, mean, std, p.offload_frozen)
+    return PPOModels(policy, value, reference, reward, mean, std, p.offload_frozen, arch["reward"])
 
 
 def freeze(chunks: List[torch.nn.Module]) -> List[torch.nn.Module]:

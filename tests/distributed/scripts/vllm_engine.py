@@ -55,11 +55,12 @@ def hf_model(chunks, cfg):
 
 
 def hf_greedy(model, ids, mask, eos):
-    """[(tokens up to and including the first EOS, ended)] per row."""
+    """[(tokens up to and including the first stop id, ended)] per row; `eos`: the stop ids (a list)."""
     with torch.no_grad():
         out = model.generate(input_ids=ids, attention_mask=mask.long(), max_new_tokens=T, do_sample=False,
                              eos_token_id=eos, pad_token_id=PAD)[:, ids.shape[1]:].tolist()
-    return [(row[: row.index(eos) + 1], True) if eos in row else (row, False) for row in out]
+    ends = [next((i for i, t in enumerate(row) if t in eos), None) for row in out]
+    return [(row, False) if end is None else (row[: end + 1], True) for row, end in zip(out, ends)]
 
 
 def rows_of(res):
@@ -93,8 +94,12 @@ def main():
     share = slice(dp_rank * len(LENGTHS) // dp, (dp_rank + 1) * len(LENGTHS) // dp)
 
     reference = hf_model(chunks, cfg)
-    free = hf_greedy(reference, ids, mask, eos=-1)
-    eos = free[0][0][3]  # row 0's 4th greedy token: EOS stops that row (and any other that meets it) early
+    free = hf_greedy(reference, ids, mask, eos=[-1])
+    # A stop set of two ids (as Llama-3.1-Instruct's generation_config.json lists three): row 0's 4th greedy token
+    # and another row's 3rd, each stopping its row (and any other that meets it) early.
+    first = free[0][0][3]
+    second = next(row[2] for row, _ in free[1:] if row[2] != first and first not in row[:3])
+    eos = [first, second]
     result = {"eos": eos}
     threads = torch.get_num_threads()
     engine = VLLMRolloutEngine(chunks, cfg, vllm_tp, sys.argv[3], eos_id=eos, pad_id=PAD, seed=0)

@@ -1,0 +1,95 @@
+"""Issue 45: PPO with a reward model of another size, architecture and tokenizer (SmolLM2's BPE beside the tiny task's
+word-level policy), and a critic of another size, on 2 ranks.
+
+The reward model (3 layers, hidden 96, 6 heads / 3 key/value heads: no TP or PP of 2 divides it) scores at its own
+inference layout (ppo.inference_tp=1, or ppo.reward_inference_tp=1 beside a reference at TP=2); the policy trains at TP=1 x DP=2, TP=2 and PP=2, the critic (2 layers,
+hidden 48) beside it. Every held-out sample's in-PPO reward score equals the reward model scoring the same text
+directly, rendered by the preference loader (what stage 2 trains on), within fp32 batching noise (one row at a
+time against padded micro-batches: up to ~3e-6 on this CPU); a resumed run is bit-identical.
+"""
+
+import json
+
+import pytest
+
+from megatron_rlhf.trainer.metrics import read_jsonl
+from tests.distributed.launch import CLI, torchrun
+from tests.distributed.test_ppo import _args, learning_metrics, rows
+
+BATCHING_NOISE = 1e-5  # fp32 GEMMs of other shapes (a row alone vs a padded micro-batch) on CPU
+
+
+@pytest.fixture(scope="module")
+def own(tmp_path_factory, smollm2):
+    from megatron_rlhf.checkpoint.hf import TOKENIZER_DIR
+    from megatron_rlhf.tasks import sort_digits
+    import random
+
+    d = tmp_path_factory.mktemp("own_models")
+    reward_tok = str(smollm2["megatron"] / TOKENIZER_DIR)
+    torchrun("own_models.py", "make", d, reward_tok, nproc=1)
+    rng = random.Random(3)
+    for name, n in (("prompts.jsonl", 64), ("prompts_eval.jsonl", 16)):
+        (d / name).write_text("".join(json.dumps(r) + "\n" for r in sort_digits.prompts(n, rng)))
+    return d, reward_tok
+
+
+def _ppo(own, run_dir, **extra):
+    d, reward_tok = own
+    settings = {
+        "model.load": d / "policy", "tokenizer.path": d / "tokenizer", "data.train_path": d / "prompts.jsonl",
+        "data.eval_path": d / "prompts_eval.jsonl", "data.max_seq_len": 24, "data.max_prompt_len": 12,
+        "train.lr": 1e-4, "train.lr_schedule": "constant", "train.micro_batch_size": 4, "train.seed": 1,
+        "ppo.reward_load": d / "reward", "ppo.reward_tokenizer": reward_tok, "ppo.inference_tp": 1,
+        "ppo.value_load": d / "value", "ppo.normalize_reward": "false", "ppo.iterations": 2,
+        "ppo.rollout_batch_size": 16, "ppo.minibatch_size": 8, "ppo.epochs": 1, "ppo.max_new_tokens": 8,
+        "ppo.eval_interval": 1, "ppo.eval_prompts": 16, "checkpoint.save_interval": 1, "logging.run_dir": run_dir,
+        "logging.progress_bar": "false",
+    }
+    settings.update(extra)
+    return torchrun(CLI, "ppo", *_args(settings), nproc=2, timeout=600)
+
+
+def _scores_equal_direct(own, run_dir, tmp_path):
+    d, reward_tok = own
+    samples = run_dir / "samples.jsonl"
+    out = tmp_path / f"{run_dir.name}_direct.json"
+    torchrun("own_models.py", "score", d, reward_tok, samples, out, nproc=1)
+    direct = json.loads(out.read_text())
+    in_ppo = [json.loads(line)["rm_score"] for line in samples.read_text().splitlines()]
+    assert len(in_ppo) == len(direct["scores"]) >= 16
+    worst = max(abs(a - b) for a, b in zip(in_ppo, direct["scores"]))
+    assert worst <= BATCHING_NOISE, (worst, in_ppo, direct["scores"])
+    assert len(set(in_ppo)) > len(in_ppo) // 2  # the rows were scored, not a constant
+    return direct["ended"]
+
+
+@pytest.mark.parametrize("layout", [
+    {"parallel.tp": 1},
+    {"parallel.tp": 2, "ppo.inference_tp": 2, "ppo.reward_inference_tp": 1},  # reference at TP=2, reward at TP=1
+    {"parallel.pp": 2}], ids=["tp1_dp2", "tp2", "pp2"])
+def test_a_reward_model_of_its_own_size_and_tokenizer_scores_as_it_would_directly(own, tmp_path, layout):
+    run = tmp_path / "ppo"
+    proc = _ppo(own, run, **layout)
+    assert "ppo: trained iterations 1-2 of 2" in proc.stdout, proc.stdout[-3000:]
+    ended = _scores_equal_direct(own, run, tmp_path)
+    assert any(ended) and not all(ended)  # finished (EOS rendered as the reward model's) and cut responses
+    by_step = rows(run)
+    for step in (1, 2):
+        assert by_step[step]["time/retokenize"] > 0 and by_step[step]["ppo/reward_truncated_fraction"] == 0.0
+        assert by_step[step]["ppo/value_loss"] > 0  # the critic of its own size trained
+    value_arch = json.loads((run / "checkpoints" / "value_model_config.json").read_text())
+    assert (value_arch["num_layers"], value_arch["hidden_size"]) == (2, 48)  # a later ppo.value_load builds it
+
+
+def test_such_a_run_resumes_bit_identically(own, tmp_path):
+    whole, parts = tmp_path / "whole", tmp_path / "parts"
+    _ppo(own, whole, **{"parallel.pp": 2})
+    _ppo(own, parts, **{"parallel.pp": 2, "train.exit_at_step": 1})
+    assert max(rows(parts)) == 1
+    proc = _ppo(own, parts, **{"parallel.pp": 2})
+    assert "resumed from" in proc.stdout
+    a, b = rows(whole), rows(parts)
+    assert learning_metrics(a[2]) == learning_metrics(b[2])
+    assert [r["rm_score"] for r in read_jsonl(str(whole / "samples.jsonl"))][-8:] == \
+        [r["rm_score"] for r in read_jsonl(str(parts / "samples.jsonl"))][-8:]
