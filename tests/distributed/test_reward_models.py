@@ -5,7 +5,8 @@ The reward model (3 layers, hidden 96, 6 heads / 3 key/value heads: no TP or PP 
 inference layout (ppo.inference_tp=1, or ppo.reward_inference_tp=1 beside a reference at TP=2); the policy trains at TP=1 x DP=2, TP=2 and PP=2, the critic (2 layers,
 hidden 48) beside it. Every held-out sample's in-PPO reward score equals the reward model scoring the same text
 directly, rendered by the preference loader (what stage 2 trains on), within fp32 batching noise (one row at a
-time against padded micro-batches: up to ~3e-6 on this CPU); a resumed run is bit-identical.
+time against padded micro-batches: up to ~6e-6 on this CPU), and bit for bit where the direct scorer batches the
+rows as a 1-rank run does; a resumed run is bit-identical.
 """
 
 import json
@@ -34,7 +35,7 @@ def own(tmp_path_factory, smollm2):
     return d, reward_tok
 
 
-def _ppo(own, run_dir, **extra):
+def _ppo(own, run_dir, nproc=2, **extra):
     d, reward_tok = own
     settings = {
         "model.load": d / "policy", "tokenizer.path": d / "tokenizer", "data.train_path": d / "prompts.jsonl",
@@ -47,19 +48,21 @@ def _ppo(own, run_dir, **extra):
         "logging.progress_bar": "false",
     }
     settings.update(extra)
-    return torchrun(CLI, "ppo", *_args(settings), nproc=2, timeout=600)
+    return torchrun(CLI, "ppo", *_args(settings), nproc=nproc, timeout=600)
 
 
-def _scores_equal_direct(own, run_dir, tmp_path):
+def _scores_equal_direct(own, run_dir, tmp_path, batch=None):
+    """The in-PPO scores of run_dir's samples against the reward model scoring their text directly: within
+    BATCHING_NOISE one row at a time, or bit for bit batched as the run batched them (`batch` rows)."""
     d, reward_tok = own
     samples = run_dir / "samples.jsonl"
     out = tmp_path / f"{run_dir.name}_direct.json"
-    torchrun("own_models.py", "score", d, reward_tok, samples, out, nproc=1)
+    torchrun("own_models.py", "score", d, reward_tok, samples, out, *([batch] if batch else []), nproc=1)
     direct = json.loads(out.read_text())
     in_ppo = [json.loads(line)["rm_score"] for line in samples.read_text().splitlines()]
     assert len(in_ppo) == len(direct["scores"]) >= 16
     worst = max(abs(a - b) for a, b in zip(in_ppo, direct["scores"]))
-    assert worst <= BATCHING_NOISE, (worst, in_ppo, direct["scores"])
+    assert worst <= (0.0 if batch else BATCHING_NOISE), (worst, in_ppo, direct["scores"])
     assert len(set(in_ppo)) > len(in_ppo) // 2  # the rows were scored, not a constant
     return direct["ended"]
 
@@ -93,3 +96,13 @@ def test_such_a_run_resumes_bit_identically(own, tmp_path):
     assert learning_metrics(a[2]) == learning_metrics(b[2])
     assert [r["rm_score"] for r in read_jsonl(str(whole / "samples.jsonl"))][-8:] == \
         [r["rm_score"] for r in read_jsonl(str(parts / "samples.jsonl"))][-8:]
+
+
+def test_the_in_ppo_score_equals_the_direct_score_bit_for_bit(own, tmp_path):
+    """One rank, the reward model in its inference layout: each evaluation's 8 rows are one batch there, right-padded
+    to the widest and run 4 (train.micro_batch_size) at a time; the direct scorer batches the rendered text alike."""
+    run = tmp_path / "one_rank"
+    _ppo(own, run, nproc=1, **{"ppo.iterations": 1, "ppo.eval_prompts": 8, "ppo.rollout_batch_size": 8,
+                               "checkpoint.save_interval": 0})
+    ended = _scores_equal_direct(own, run, tmp_path, batch=4)
+    assert any(ended) and not all(ended)

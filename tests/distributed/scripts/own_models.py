@@ -5,9 +5,11 @@ Usage:
         tokenizer, 4 layers x hidden 64), reward/ (REWARD_TOKENIZER's vocabulary, 3 layers x hidden 96, 6 heads,
         3 key/value heads: a shape that divides no TP or PP of 2), value/ (the policy's tokenizer, 2 layers x
         hidden 48); each with its model_config.json and the fingerprint of its tokenizer.
-    own_models.py score DIR REWARD_TOKENIZER SAMPLES OUT   (1 rank) the reward model scoring each sample of a
-        samples.jsonl directly: its prompt and response text rendered by the preference loader (the response's
-        trailing <eos> is the end of a finished answer), one row at a time, at TP=1 -> OUT (JSON list of scores).
+    own_models.py score DIR REWARD_TOKENIZER SAMPLES OUT [BATCH]   (1 rank) the reward model scoring each sample of
+        a samples.jsonl directly: its prompt and response text rendered by the preference loader (the response's
+        trailing <eos> is the end of a finished answer), at TP=1 -> OUT (JSON: scores, ended). Without BATCH one row
+        at a time; with BATCH the rows of each evaluation (one iteration's samples) right-padded to their widest and
+        run BATCH rows at a time, as a 1-rank PPO run's inference layout batches them.
 """
 
 import json
@@ -58,13 +60,13 @@ def make(d: Path, reward_tokenizer: str) -> None:
 
 
 @torch.no_grad()
-def score(d: Path, reward_tokenizer: str, samples: Path, out: Path) -> None:
+def score(d: Path, reward_tokenizer: str, samples: Path, out: Path, batch=None) -> None:
     reward_tok = T.load_tokenizer(reward_tokenizer)
     [model] = ckpt.load_model(d / "reward", reward_arch(reward_tok), ParallelConfig(), "reward", "scalar")
     model.eval()
     rows = [json.loads(line) for line in samples.read_text().splitlines()]
     data = DataConfig(max_seq_len=64)
-    scores = []
+    sequences = []
     for r in rows:
         ended = r["response"].endswith(EOS_TEXT)
         text = r["response"][: -len(EOS_TEXT)].rstrip(" ") if ended else r["response"]
@@ -75,8 +77,22 @@ def score(d: Path, reward_tokenizer: str, samples: Path, out: Path) -> None:
             ids = D.load_examples("preference", data, reward_tok, str(path), log=None)[0][0]["chosen_ids"]
         else:  # a response cut at the length limit: no end of turn, no EOS
             ids = reward_tok(r["prompt"])["input_ids"] + reward_tok(text, add_special_tokens=False)["input_ids"]
-        x = torch.tensor([ids])
-        scores.append(float(model(x, torch.arange(len(ids)).unsqueeze(0), None)[0, -1, 0]))
+        sequences.append(ids)
+    if batch is None:
+        scores = [float(model(torch.tensor([ids]), torch.arange(len(ids)).unsqueeze(0), None)[0, -1, 0])
+                  for ids in sequences]
+    else:
+        scores = []
+        for it in sorted({r["iteration"] for r in rows}):
+            mine = [ids for ids, r in zip(sequences, rows) if r["iteration"] == it]
+            width = max(len(ids) for ids in mine)
+            x = torch.zeros(len(mine), width, dtype=torch.long)
+            for i, ids in enumerate(mine):
+                x[i, : len(ids)] = torch.tensor(ids)
+            for s in range(0, len(mine), batch):
+                part = x[s: s + batch]
+                output = model(part, torch.arange(width).unsqueeze(0).expand(len(part), -1), None)[:, :, 0]
+                scores += [float(output[i, len(mine[s + i]) - 1]) for i in range(len(part))]
     out.write_text(json.dumps({"scores": scores, "ended": [r["response"].endswith(EOS_TEXT) for r in rows]}))
 
 
@@ -86,7 +102,7 @@ def main():
     if mode == "make":
         make(d, reward_tokenizer)
     else:
-        score(d, reward_tokenizer, Path(sys.argv[4]), Path(sys.argv[5]))
+        score(d, reward_tokenizer, Path(sys.argv[4]), Path(sys.argv[5]), int(sys.argv[6]) if len(sys.argv) > 6 else None)
     init.destroy()
 
 
