@@ -167,7 +167,7 @@ def frozen_in_inference_layout(chunks, parallel, ckpt_root, generated):
 
     from megatron_rlhf.checkpoint import state as ckpt
     from megatron_rlhf.rollout.layout import tp_only_layout
-    from megatron_rlhf.trainer.ppo.experience import forward_collect, last_token_scores, response_logprobs
+    from megatron_rlhf.trainer.ppo.experience import forward_collect, last_token_scores, response_logprobs, scoring_rows
     from megatron_rlhf.trainer.ppo.inference_layout import build_inference_model
 
     torch.manual_seed(9)
@@ -179,9 +179,10 @@ def frozen_in_inference_layout(chunks, parallel, ckpt_root, generated):
     result = {}
     for name, train_model, head in (("reference", chunks, "lm"), ("reward", reward, "scalar")):
         extract = last_token_scores if head == "scalar" else (lambda o, mb: response_logprobs(o, mb, VOCAB, 0.8))
-        expected = torch.cat(forward_collect(train_model, mbs, extract))
+        rows = [scoring_rows(mb) for mb in mbs] if head == "scalar" else mbs  # what a reward model reads
+        expected = torch.cat(forward_collect(train_model, rows, extract))
         inference = build_inference_model(cfg, CFG, layout, head, ckpt_root, name if head == "scalar" else "policy", 0.8)
-        got = torch.cat(forward_collect(inference, mbs, extract))
+        got = torch.cat(forward_collect(inference, rows, extract))
         result[name] = {"max_diff": float((got - expected).abs().max()), "spread": float(expected.std()),
                         "shape": list(got.shape) == list(expected.shape)}
     result["reference_swap"] = reference_swap_at_tp2(chunks, mbs)
