@@ -55,9 +55,12 @@ def architecture_of(path: Optional[str], policy: ModelConfig, file: Optional[str
     found = None
     if path and os.path.exists(path):
         found = (read_model_config(path, file) if file else None) or read_model_config(path)
-    if found is None:
-        return policy
-    return dataclasses.replace(found, **{f: getattr(policy, f) for f in RUN_CHOICES})
+    return policy if found is None else _with_run_choices(found, policy)
+
+
+def _with_run_choices(arch: ModelConfig, policy: ModelConfig) -> ModelConfig:
+    """`arch` with this run's dtype and vocabulary padding (the policy's)."""
+    return dataclasses.replace(arch, **{f: getattr(policy, f) for f in RUN_CHOICES})
 
 
 def other_models(cfg) -> List[OtherModel]:
@@ -99,7 +102,7 @@ def reward_architecture(cfg, policy: ModelConfig) -> ModelConfig:
     from megatron_rlhf.models.spec import model_config_from_hf
 
     stated, _head = model_config_from_hf(read_hf_config(p.reward_hf_config, "ppo.reward_hf_config"))
-    stated = dataclasses.replace(stated, **{f: getattr(policy, f) for f in RUN_CHOICES})
+    stated = _with_run_choices(stated, policy)
     if recorded is not policy:
         diff = [f for f in SHAPE if getattr(stated, f) != getattr(recorded, f)]
         if diff:
@@ -132,9 +135,10 @@ def check_other_models(cfg, world: Optional[int] = None) -> None:
                 f"(ppo.reward_tokenizer={own_tokenizer}): a value model gives a value per policy token, so it needs "
                 "the policy's tokenizer; set ppo.value_load to a reward model trained with tokenizer.path, or use a "
                 "critic-free ppo.advantage_estimator (grpo, rloo, remax)")
-        if own_tokenizer and m.name == "reward":
-            pass  # its vocabulary is checked against its own tokenizer at start (trainer/ppo/models.py)
-        elif a.vocab_size != policy.vocab_size:
+        # A reward model with its own tokenizer: its vocabulary is checked against that tokenizer at start
+        # (trainer/ppo/reward_tokens.py load_reward_tokenizer); every other model reads the policy's tokens.
+        reads_policy_tokens = not (own_tokenizer and m.name == "reward")
+        if reads_policy_tokens and a.vocab_size != policy.vocab_size:
             raise ConfigError(
                 f"{what} has vocab_size={a.vocab_size} but the policy has {policy.vocab_size}: a {m.name} model "
                 "scores the policy's own tokens, so it needs the policy's tokenizer (train it from an SFT checkpoint "

@@ -299,6 +299,12 @@ class _Tokenize:
         return head + self._response(response), len(head)
 
 
+def row_renderer(cfg: DataConfig, tokenizer) -> _Tokenize:
+    """What renders rows for `tokenizer` as the preference loader does: its `sequence(source, response, ended)` gives
+    the ids of a prompt (text or messages) and a response text (PPO's reward model with its own tokenizer)."""
+    return _Tokenize("preference", cfg, tokenizer, from_json=False)
+
+
 def _features(kind: str):
     """Explicit column types: inference would fail when the first rows are bad (empty lists)."""
     from datasets import Features, List as DList, Value

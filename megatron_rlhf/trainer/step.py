@@ -103,7 +103,7 @@ def run_schedule(
 
     mb0 = microbatches[0]["input_ids"]
     seq_len = max(mb["input_ids"].shape[1] for mb in microbatches)
-    if any(mb["input_ids"].shape[1] != seq_len for mb in microbatches) and _pp_size() > 1:
+    if any(mb["input_ids"].shape[1] != seq_len for mb in microbatches) and pipeline_stages() > 1:
         raise ValueError("pipeline parallelism needs every microbatch padded to the same sequence length")
     iterators = [iter(microbatches) for _ in chunks]
     return get_forward_backward_func()(
@@ -117,7 +117,8 @@ def run_schedule(
     )
 
 
-def _pp_size() -> int:
+def pipeline_stages() -> int:
+    """The pipeline-parallel size of Megatron's parallel state."""
     from megatron.core import parallel_state as ps
 
     return ps.get_pipeline_model_parallel_world_size()

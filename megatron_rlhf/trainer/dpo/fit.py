@@ -86,16 +86,13 @@ def build_reference(cfg, tokenizer) -> List[torch.nn.Module]:
     layout, frozen (eval mode, no grad, no DDP). Before training (`prepare`) and again for the evaluation
     after it when `precompute` freed it (trainer/dpo/eval.py)."""
     from megatron_rlhf.checkpoint import state as ckpt
-    from megatron_rlhf.config.ppo import reference_source
+    from megatron_rlhf.config.stage_models import other_models
     from megatron_rlhf.trainer.ppo.models import freeze
     from megatron_rlhf.trainer.run import expected_tokenizer
 
-    from megatron_rlhf.config.stage_models import other_models
-
-    load, key = reference_source(cfg)
-    [reference] = other_models(cfg)  # its own architecture: the one its checkpoint records
-    return freeze(ckpt.load_model(load, reference.arch, cfg.parallel, "policy", "lm", fp8=cfg.fp8,
-                                  key=key, tokenizer=expected_tokenizer(cfg, tokenizer)))
+    [reference] = other_models(cfg)  # dpo.reference_load or model.load, with the architecture its checkpoint records
+    return freeze(ckpt.load_model(reference.path, reference.arch, cfg.parallel, "policy", "lm", fp8=cfg.fp8,
+                                  key=reference.key, tokenizer=expected_tokenizer(cfg, tokenizer)))
 
 
 def reference_logps(reference, mbs: List[Batch], vocab_size: int) -> List[torch.Tensor]:

@@ -26,7 +26,7 @@ from megatron_rlhf.models import heads
 from megatron_rlhf.models.logit_rows import logits_at, pick_rows
 from megatron_rlhf.models.logprobs import token_entropy, token_logprobs, token_logprobs_and_entropy
 from megatron_rlhf.parallel.device import on_device_of
-from megatron_rlhf.trainer.step import position_ids_for, run_schedule
+from megatron_rlhf.trainer.step import pipeline_stages, position_ids_for, run_schedule
 
 Batch = Dict[str, torch.Tensor]
 
@@ -178,19 +178,13 @@ def score_responses(reward_chunks, microbatches: List[Batch], frozen: Frozen) ->
     """Phase 2 alone: (normalised RM scores [B], scores [B] with -missing_eos_penalty where no EOS: the policy's
     own stop set, read from the policy micro-batches)."""
     rows = [(frozen.reward_rows or scoring_rows)(mb) for mb in microbatches]
-    if len(rows) > 1 and frozen.reward_rows is not None and _pipeline_stages() > 1:  # one width through the pipe
+    if len(rows) > 1 and frozen.reward_rows is not None and pipeline_stages() > 1:  # one width through the pipe
         width = max(r["input_ids"].shape[1] for r in rows)
         rows = [{**r, "input_ids": torch.nn.functional.pad(r["input_ids"], (0, width - r["input_ids"].shape[1]))}
                 for r in rows]
     raw = torch.cat(forward_collect(reward_chunks, rows, last_token_scores))
     rm_scores = (raw - frozen.reward_mean) / frozen.reward_std
     return rm_scores, penalize_missing_eos(rm_scores, _ended(microbatches), -frozen.missing_eos_penalty)
-
-
-def _pipeline_stages() -> int:
-    from megatron.core import parallel_state as ps
-
-    return ps.get_pipeline_model_parallel_world_size()
 
 
 def _ended(microbatches: List[Batch]) -> torch.Tensor:

@@ -4,7 +4,7 @@ InstructGPT-style pairs (a Qwen policy scored by a Llama reward model) share no 
 micro-batch: the response tokens before the policy's stop id are decoded to text (special tokens the policy wrote
 mid-response stay as their text, as the eval's samples and the gold scorer see them); the prompt, as written in the
 prompt file (text, or messages: `prompt_source`), and that text are rendered for the reward model exactly as the
-preference loader renders a {prompt, chosen} row for it (data/dataset.py `_Tokenize.sequence`: its special
+preference loader renders a {prompt, chosen} row for it (data/dataset.py `row_renderer`: its special
 tokens and EOS, or its chat template with the answer cut at its first stop id), so the reward model scores what
 it was trained on. Rows longer than its positions keep the start of the prompt and the whole response (where
 the response fits: else its start), and are counted.
@@ -36,10 +36,10 @@ class RewardTokens:
     Counters for the trainer's log: `seconds` spent, `rows` rendered, `truncated` rows (`take_counts` resets them)."""
 
     def __init__(self, policy_tokenizer, reward_tokenizer, data_cfg, sources: Dict[Tuple[int, ...], str], limit: int):
-        from megatron_rlhf.data.dataset import _Tokenize
+        from megatron_rlhf.data.dataset import row_renderer
 
         self.policy_tokenizer, self.reward_tokenizer, self.limit = policy_tokenizer, reward_tokenizer, limit
-        self.render = _Tokenize("preference", data_cfg, reward_tokenizer, from_json=False)
+        self.render = row_renderer(data_cfg, reward_tokenizer)
         self.sources = sources
         self.seconds, self.rows, self.truncated = 0.0, 0, 0
 
