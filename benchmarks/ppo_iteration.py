@@ -122,6 +122,9 @@ def setup(shape: dict, dtype: str):
     parallel = ParallelConfig()
     if not torch.distributed.is_initialized():  # --dtype both: the second precision reuses the world
         init.initialize(parallel, seed=0)
+    from megatron_rlhf.models import packing
+
+    packing.configure(True)  # as a run with train.packing's default (trainer/run.py configure_packing)
     return ModelConfig(**shape, params_dtype=dtype), parallel
 
 
@@ -141,7 +144,8 @@ def build(model_cfg, parallel, max_new_tokens: int, old_logprobs: str = "recompu
     reference, reward = build_model(model_cfg, parallel, head="lm"), build_model(model_cfg, parallel, head="scalar")
     ppo = PPOSection(rollout_batch_size=PROMPTS, minibatch_size=PROMPTS // MINIBATCHES, epochs=EPOCHS,
                      max_new_tokens=max_new_tokens, old_logprobs=old_logprobs)
-    cfg = SimpleNamespace(ppo=ppo, train=SimpleNamespace(seed=0, micro_batch_size=PROMPTS // MINIBATCHES),
+    cfg = SimpleNamespace(ppo=ppo, train=SimpleNamespace(seed=0, micro_batch_size=PROMPTS // MINIBATCHES,
+                                                         max_tokens_per_micro_batch=None),
                           vocab_size=model_cfg.vocab_size)
     return cfg, policy, value, {"policy": policy.chunks, "value": value.chunks, "reference": reference, "reward": reward}
 

@@ -149,6 +149,11 @@ class TrainConfig:
     clip_grad: float = _f(1.0, "gradient-norm clip; 0 = off")
     global_batch_size: int = _f(32, "examples (RM: pairs) per optimizer step over all data-parallel ranks")
     micro_batch_size: int = _f(4, "examples per forward pass on one rank")
+    max_tokens_per_micro_batch: Optional[int] = _f(
+        None, "token budget of one micro-batch (rows grouped by length to fill it; packed: their tokens, padded: "
+              "rows x the longest); null = micro_batch_size rows of the step's longest row (with packing on)")
+    packing: bool = _f(False, "lay each micro-batch's rows end to end (no padding; attention within each row) in "
+                              "every forward and training pass; off under context parallelism")
     train_steps: Optional[int] = _f(None, "optimizer steps; null = epochs * steps per epoch")
     epochs: int = _f(1, "passes over the training data when train_steps is null")
     exit_at_step: Optional[int] = _f(
@@ -371,6 +376,11 @@ def validate(cfg: Any) -> None:
         t.exit_at_step is None or t.exit_at_step >= 1, f"train.exit_at_step={t.exit_at_step} must be >= 1 or null"
     )
     _require(d.max_seq_len >= 2, f"data.max_seq_len={d.max_seq_len} must be >= 2")
+    _require(
+        t.max_tokens_per_micro_batch is None or t.max_tokens_per_micro_batch >= d.max_seq_len,
+        f"train.max_tokens_per_micro_batch={t.max_tokens_per_micro_batch} is below data.max_seq_len={d.max_seq_len}, "
+        "the longest row a micro-batch must hold: raise it to at least that, or lower data.max_seq_len",
+    )
     _require(
         d.max_prompt_len is None or 1 <= d.max_prompt_len <= d.max_seq_len,
         f"data.max_prompt_len={d.max_prompt_len} must be between 1 and data.max_seq_len={d.max_seq_len}",

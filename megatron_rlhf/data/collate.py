@@ -109,14 +109,69 @@ def collate_prompts(
 COLLATE = {"sft": collate_sft, "preference": collate_preference, "prompt": collate_prompts}
 
 
-def microbatches(dataset, indices: Sequence[int], micro_batch_size: int, collate: Callable, **kwargs) -> List[Dict]:
+class TokenBudgetError(ValueError):
+    """A row is longer than the token budget of a micro-batch."""
+
+
+def token_groups(lengths: Sequence[int], micro_batch_size: int, max_tokens: Optional[int] = None,
+                 packed: bool = False) -> List[range]:
+    """Consecutive rows of these token counts -> the row ranges of a step's micro-batches.
+
+    Without packing and without `max_tokens` (train.max_tokens_per_micro_batch): `micro_batch_size` rows each.
+    Otherwise token-budget micro-batches: as many consecutive rows as fit `max_tokens` tokens of the forward
+    (packed: their sum; padded: rows x the longest), the budget defaulting to `micro_batch_size` rows of the
+    step's longest row, so no micro-batch holds more than a padded one of the step would. Every rank of a
+    pipeline holds the same rows, so it cuts the same micro-batches. Losses are normalised by the step's global
+    token (or pair) count, so the grouping changes no result beyond rounding.
+    `packed`: whether the forwards run packed (models/packing.py `enabled`)."""
+    lengths = [max(1, int(n)) for n in lengths]
+    if max_tokens is None and not packed:
+        return [range(s, min(s + micro_batch_size, len(lengths))) for s in range(0, len(lengths), micro_batch_size)]
+    longest = max(lengths, default=1)
+    budget = max_tokens if max_tokens is not None else micro_batch_size * longest
+    if longest > budget:
+        raise TokenBudgetError(f"a row of {longest} tokens is longer than train.max_tokens_per_micro_batch={budget}: "
+                               f"raise it to at least {longest}, or shorten the rows")
+    groups, start, tokens, widest = [], 0, 0, 0
+    for i, n in enumerate(lengths):
+        grown = tokens + n if packed else (i - start + 1) * max(widest, n)
+        if i > start and grown > budget:
+            groups.append(range(start, i))
+            start, tokens, widest = i, 0, 0
+        tokens, widest = tokens + n, max(widest, n)
+    if lengths:
+        groups.append(range(start, len(lengths)))
+    return groups
+
+
+def example_tokens(example: Dict[str, Any]) -> int:
+    """Tokens an example puts into a forward: an SFT row's, a preference pair's two rows'."""
+    if "chosen_ids" in example:
+        return len(example["chosen_ids"]) + len(example["rejected_ids"])
+    return len(example["input_ids"] if "input_ids" in example else example["prompt_ids"])
+
+
+def dataset_tokens(dataset, indices: Optional[Sequence[int]] = None) -> List[int]:
+    """`example_tokens` of the examples at `indices` (None: all) of a list or a `datasets.Dataset` (its length
+    columns read once)."""
+    indices = list(range(len(dataset))) if indices is None else [int(i) for i in indices]
+    if isinstance(dataset, (list, tuple)):
+        return [example_tokens(dataset[i]) for i in indices]
+    return _column_lengths(dataset, indices)
+
+
+def microbatches(dataset, indices: Sequence[int], micro_batch_size: int, collate: Callable,
+                 max_tokens: Optional[int] = None, packed: bool = False, **kwargs) -> List[Dict]:
     """This rank's share of one step, as a list of collated micro-batches (for Megatron's schedule:
-    ``forward_backward_func(data_iterator=iter(mbs), num_microbatches=len(mbs), ...)``)."""
+    ``forward_backward_func(data_iterator=iter(mbs), num_microbatches=len(mbs), ...)``): consecutive indices,
+    `micro_batch_size` per micro-batch, or token-budget micro-batches (`token_groups`)."""
     if len(indices) % micro_batch_size != 0:
         raise ValueError(f"{len(indices)} indices do not split into micro-batches of {micro_batch_size}")
+    indices = [int(i) for i in indices]
+    lengths = dataset_tokens(dataset, indices)
     out = []
-    for start in range(0, len(indices), micro_batch_size):
-        idx = [int(i) for i in indices[start : start + micro_batch_size]]
+    for group in token_groups(lengths, micro_batch_size, max_tokens, packed):
+        idx = indices[group.start: group.stop]
         if isinstance(dataset, (list, tuple)):
             rows = [dataset[i] for i in idx]
         else:  # datasets.Dataset: one batched read returns columns
@@ -124,3 +179,12 @@ def microbatches(dataset, indices: Sequence[int], micro_batch_size: int, collate
             rows = [{k: cols[k][i] for k in cols} for i in range(len(idx))]
         out.append(collate(rows, **kwargs))
     return out
+
+
+def _column_lengths(dataset, indices: List[int]) -> List[int]:
+    names = dataset.column_names
+    if "chosen_ids" in names:
+        cols = dataset.select_columns(["chosen_ids", "rejected_ids"])[indices]
+        return [len(a) + len(b) for a, b in zip(cols["chosen_ids"], cols["rejected_ids"])]
+    name = "input_ids" if "input_ids" in names else "prompt_ids"
+    return [len(x) for x in dataset.select_columns([name])[indices][name]]

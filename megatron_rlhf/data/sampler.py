@@ -1,13 +1,14 @@
 """Which examples each data-parallel rank takes at each step: deterministic, resumable, DP-size free.
 
 `ShardedBatchSampler` cuts each epoch's seeded permutation into global batches and hands each rank
-its contiguous share; its cursor (epoch, step in epoch) is checkpointed so a resumed run sees exactly
+its contiguous share, or given the examples' token counts an equal number of examples with balanced tokens
+(`balanced_share`: packed micro-batches then cost the same on every rank); its cursor (epoch, step in epoch) is checkpointed so a resumed run sees exactly
 the batches it would have seen. `eval_batches` covers an evaluation set exactly once.
 """
 
 from __future__ import annotations
 
-from typing import Dict, Iterator, List
+from typing import Dict, Iterator, List, Optional, Sequence
 
 import numpy as np
 
@@ -34,6 +35,7 @@ class ShardedBatchSampler:
         seed: int = 0,
         shuffle: bool = True,
         key: str = "train.global_batch_size",  # the setting the batch size comes from, for errors
+        lengths: Optional[Sequence[int]] = None,  # tokens of each example: shares balanced by tokens
     ):
         if global_batch_size % dp_size != 0:
             raise DataError(f"{key}={global_batch_size} is not divisible by the data-parallel size {dp_size}")
@@ -48,6 +50,7 @@ class ShardedBatchSampler:
         self.dp_rank, self.dp_size, self.seed, self.shuffle = dp_rank, dp_size, seed, shuffle
         self.epoch, self.step_in_epoch = 0, 0
         self._perm_epoch, self._perm = -1, None
+        self.lengths = None if lengths is None else np.asarray(lengths)
 
     @property
     def steps_per_epoch(self) -> int:
@@ -85,6 +88,8 @@ class ShardedBatchSampler:
             self.epoch, self.step_in_epoch = self.epoch + 1, 0
         batch = self.global_batch(self.epoch, self.step_in_epoch)
         self.step_in_epoch += 1
+        if self.lengths is not None and self.dp_size > 1:
+            return [batch[i] for i in balanced_share(self.lengths[batch].tolist(), self.dp_rank, self.dp_size)]
         return batch[self.dp_rank * self.per_rank : (self.dp_rank + 1) * self.per_rank]
 
     def state_dict(self) -> Dict[str, int]:
@@ -106,6 +111,25 @@ class ShardedBatchSampler:
                     "(checkpoint.resume=never checkpoint.overwrite=true)"
                 )
         self.epoch, self.step_in_epoch = int(state["epoch"]), int(state["step_in_epoch"])
+
+
+def balanced_share(lengths: Sequence[int], dp_rank: int, dp_size: int) -> List[int]:
+    """Positions (ascending) of the rows of a global batch that rank `dp_rank` takes: every rank the same number
+    of rows (len(lengths) / dp_size), their tokens balanced: longest first, each row to the rank with the fewest
+    tokens that still has room (ties: the lower rank). Deterministic, so every rank computes the same split;
+    losses are normalised by the global token count, so the split changes no result beyond rounding."""
+    n = len(lengths)
+    if n % dp_size:
+        raise ValueError(f"{n} rows do not split evenly over {dp_size} data-parallel ranks")
+    room, tokens = [n // dp_size] * dp_size, [0] * dp_size
+    mine = []
+    for i in sorted(range(n), key=lambda i: (-int(lengths[i]), i)):
+        rank = min((r for r in range(dp_size) if room[r]), key=lambda r: (tokens[r], r))
+        room[rank] -= 1
+        tokens[rank] += int(lengths[i])
+        if rank == dp_rank:
+            mine.append(i)
+    return sorted(mine)
 
 
 def eval_batches(dataset_size: int, global_batch_size: int, dp_rank: int = 0, dp_size: int = 1) -> Iterator[List[int]]:

@@ -83,6 +83,11 @@ def _output_layer(model: torch.nn.Module):
     return layer if getattr(type(layer), "batch_major", False) else None
 
 
+def rows_apply(model: torch.nn.Module) -> bool:
+    """Whether `logits_at` changes this chunk's forward (its last stage's LM output layer is wrapped)."""
+    return _output_layer(model) is not None
+
+
 @contextlib.contextmanager
 def logits_at(model: torch.nn.Module, rows: Optional[torch.Tensor]):
     """Inside: the LM forward of `model` (a chunk, wrapped or not) returns logits [b, T, V/tp] at `rows`

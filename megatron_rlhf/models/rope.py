@@ -69,8 +69,27 @@ def _cos_sin(freqs: torch.Tensor, dtype: torch.dtype):
     return cos, sin
 
 
+_packed_angles: dict = {}  # dtype -> (freqs, cu_seqlens, cos, sin): the last pack's angles
+
+
+def _packed_cos_sin(freqs: torch.Tensor, cu_seqlens: torch.Tensor, dtype: torch.dtype):
+    """cos / sin [t, 1, 1, d / 2] of a pack whose sequences start at cu_seqlens[:-1]: position p of each
+    sequence takes freqs[p], the angle its padded row has there (so the rotation is the padded one, bit for bit)."""
+    hit = _packed_angles.get(dtype)
+    if hit is not None and hit[0] is freqs and hit[1] is cu_seqlens \
+            and hit[2].is_inference() == torch.is_inference_mode_enabled():
+        return hit[2], hit[3]
+    cu = cu_seqlens.long()
+    lengths = cu[1:] - cu[:-1]
+    positions = torch.arange(int(cu[-1]), device=freqs.device) - torch.repeat_interleave(cu[:-1], lengths)
+    cos, sin = _cos_sin(freqs, dtype)
+    cos, sin = cos.index_select(0, positions), sin.index_select(0, positions)
+    _packed_angles[dtype] = (freqs, cu_seqlens, cos, sin)
+    return cos, sin
+
+
 def install() -> None:
-    """Route Megatron's unfused bshd RoPE through `_Rope` where it applies (idempotent)."""
+    """Route Megatron's unfused bshd and thd (packed) RoPE through `_Rope` where it applies (idempotent)."""
     global _installed
     if _installed:
         return
@@ -90,4 +109,22 @@ def install() -> None:
 
     apply_rope.megatron = megatron_rope
     rope_utils._apply_rotary_pos_emb_bshd = apply_rope
+
+    megatron_thd = rope_utils._apply_rotary_pos_emb_thd
+
+    def apply_rope_thd(t, cu_seqlens, freqs, rotary_interleaved=False, *args, **kwargs):
+        # Packed sequences (models/packing.py): positions restart at each cu_seqlens boundary. Megatron's own
+        # function splits t per sequence and concatenates the angles on every call (two per layer); here the
+        # pack's angles are gathered once per forward, then rotated as one [t, 1, h, d] block.
+        mla = args[0] if args else kwargs.get("mla_rotary_interleaved") or kwargs.get("multi_latent_attention")
+        mscale = args[1] if len(args) > 1 else kwargs.get("mscale", 1.0)
+        cp_group = args[2] if len(args) > 2 else kwargs.get("cp_group")
+        d = freqs.shape[-1]
+        if rotary_interleaved or mla or mscale != 1.0 or d != t.shape[-1] or d % 2 or \
+                (cp_group is not None and cp_group.size() > 1):
+            return megatron_thd(t, cu_seqlens, freqs, rotary_interleaved, *args, **kwargs)
+        return _Rope.apply(t.unsqueeze(1), *_packed_cos_sin(freqs, cu_seqlens, t.dtype)).squeeze(1)
+
+    apply_rope_thd.megatron = megatron_thd
+    rope_utils._apply_rotary_pos_emb_thd = apply_rope_thd
     _installed = True

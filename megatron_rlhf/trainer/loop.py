@@ -17,7 +17,8 @@ from megatron_rlhf.config import schema as C
 from megatron_rlhf.data import dataset as D
 from megatron_rlhf.data.sampler import ShardedBatchSampler, eval_batches
 from megatron_rlhf.checkpoint import state as ckpt
-from megatron_rlhf.data.collate import COLLATE, microbatches
+from megatron_rlhf.data.collate import COLLATE, dataset_tokens, microbatches
+from megatron_rlhf.models import packing
 from megatron_rlhf.parallel.cpu import peak_memory_gib
 from megatron_rlhf.parallel import init
 from megatron_rlhf.trainer.preflight import resume_message
@@ -57,7 +58,9 @@ def run_stage(cfg, stage: Stage) -> Dict[str, float]:
     log, dp_size, tokenizer = ctx.log, ctx.dp_size, ctx.tokenizer
     splits = D.load_splits(stage.data_kind, cfg.data, tokenizer, log=log)
     seed = cfg.data.seed if cfg.data.seed is not None else cfg.train.seed
-    sampler = ShardedBatchSampler(len(splits.train), cfg.train.global_batch_size, ctx.dp_rank, dp_size, seed=seed)
+    balance = dataset_tokens(splits.train) if packing.enabled() and dp_size > 1 else None  # tokens per example
+    sampler = ShardedBatchSampler(len(splits.train), cfg.train.global_batch_size, ctx.dp_rank, dp_size, seed=seed,
+                                  lengths=balance)
     total_steps = C.total_train_steps(cfg.train, sampler.steps_per_epoch)
     collate = COLLATE[stage.data_kind]
     pad_to = cfg.data.max_seq_len if cfg.parallel.pp > 1 else None  # pipelines need one shape
@@ -94,6 +97,7 @@ def run_stage(cfg, stage: Stage) -> Dict[str, float]:
     while step < stop_at:
         indices = next(sampler)
         mbs = microbatches(splits.train, indices, cfg.train.micro_batch_size, collate,
+                           max_tokens=cfg.train.max_tokens_per_micro_batch, packed=packing.enabled(),
                              pad_id=tokenizer.pad_token_id, pad_to=pad_to)
         with metrics.timer("time/step") as timing:
             if attach is not None:  # inside the timer: an online reference forward is part of the step

@@ -73,6 +73,7 @@ def start_run(cfg, check_batch: Callable[[int], Any]) -> RunContext:
     dp_size = cfg.parallel.dp(world)
     check_batch(dp_size)
     init.initialize(cfg.parallel, seed=cfg.train.seed)
+    configure_packing(cfg)
     from megatron.core import parallel_state as ps
 
     rank0 = torch.distributed.get_rank() == 0
@@ -92,6 +93,15 @@ def start_run(cfg, check_batch: Callable[[int], Any]) -> RunContext:
         log=print if rank0 else None, tokenizer=tokenizer, ckpt_root=ckpt_root,
         run=ckpt.RunRecord.new(stage_of(cfg), T.fingerprint(tokenizer)),
     )
+
+
+def configure_packing(cfg) -> None:
+    """`train.packing` for this process's forwards (models/packing.py): on where it is exact, i.e. without context
+    parallelism (a packed sequence split over CP ranks needs Transformer Engine's load-balanced THD split)."""
+    from megatron_rlhf.models import packing
+
+    p = cfg.parallel
+    packing.configure(cfg.train.packing and p.cp == 1, p.tp if p.sequence_parallel else 1)
 
 
 def expected_tokenizer(cfg, tokenizer) -> Optional[dict]:

@@ -11,7 +11,8 @@ from typing import Callable, Dict, Iterable, List, Tuple
 
 import torch
 
-from megatron_rlhf.models.logit_rows import logits_at
+from megatron_rlhf.models import packing
+from megatron_rlhf.models.logit_rows import logits_at, rows_apply
 from megatron_rlhf.parallel import grad_buffer
 from megatron_rlhf.parallel.device import on_device_of
 from megatron_rlhf.trainer import optim
@@ -26,6 +27,63 @@ def position_ids_for(input_ids: torch.Tensor) -> torch.Tensor:
     return torch.arange(s, device=input_ids.device).unsqueeze(0).expand(b, s)
 
 
+def model_forward(model: torch.nn.Module, batch: Batch, rows: torch.Tensor | None = None, **extra) -> torch.Tensor:
+    """The model (a chunk) on one micro-batch: input_ids [b, s] right-padded -> its last stage's output [b, s, X]
+    (logits, scores, or with `labels=` the per-token loss), or [b, T, V/tp] at `rows` [b, T] (models/logit_rows.py);
+    earlier pipeline stages return their hidden states.
+
+    A micro-batch with a "pack_width" (set by `pack_widths`) runs packed: its rows end to end as [1, W]
+    (models/packing.py) and the last stage's output laid back out in the padded layout, so callers read the
+    same shapes either way. Rows < 0 are positions the caller does not read (a response's padding): padded,
+    they read position 0; packed, they are not computed at all, the logits come as [1, N, V/tp] for the N rows
+    >= 0 in row-major order, and `batch["rows_kept"]` ([b, T] bool) says which (`scatter_rows` lays a result
+    over them back out as [b, T])."""
+    input_ids = batch["input_ids"]
+    width = batch.get("pack_width")
+    if width is None:
+        with logits_at(model, rows.clamp(min=0) if rows is not None else None):
+            return model(input_ids, batch.get("position_ids", position_ids_for(input_ids)), None, **extra)
+    p = packing.pack(input_ids, batch["lengths"], width=int(width))
+    extra = {k: packing.pack_values(v, p) if k == "labels" else v for k, v in extra.items()}
+    picked = rows is not None and rows_apply(model)
+    at = None
+    if picked:
+        kept = rows >= 0
+        at = packing.pack_rows(rows.clamp(min=0), p)
+        if not bool(kept.all()):
+            at = at[:, kept.reshape(-1)]
+            batch["rows_kept"] = kept
+    with logits_at(model, at):
+        output = model(p.input_ids, p.position_ids, None, packed_seq_params=p.params, **extra)
+    if not packing.last_stage(model):
+        return output
+    if picked:
+        return output if "rows_kept" in batch else output.view(rows.shape[0], rows.shape[1], *output.shape[2:])
+    return packing.unpack(output, p, input_ids.shape[1])
+
+
+def scatter_rows(values: torch.Tensor, kept: torch.Tensor) -> torch.Tensor:
+    """values [1, N] at the kept rows of a packed forward (`model_forward`) -> [b, T], 0 elsewhere. Differentiable."""
+    return torch.zeros(kept.shape, dtype=values.dtype, device=values.device).masked_scatter(kept, values[0])
+
+
+def pack_widths(microbatches: List[Batch], pipelined: bool) -> List[Batch]:
+    """The micro-batches marked to run packed (`model_forward`) when packing is on (models/packing.py
+    `configure`), each has its rows' "lengths" and packing removes enough padding (`packing.worth_packing`):
+    each pack as wide as its tokens rounded up to the TP size under sequence parallelism (the sequence is split
+    over TP ranks), and under a pipeline one width for all (stages exchange activations of one shape).
+    Otherwise as they are."""
+    if not packing.enabled() or not microbatches or any("lengths" not in mb for mb in microbatches):
+        return microbatches
+    multiple = packing.sequence_multiple()
+    widths = [packing.packed_width(mb["lengths"], multiple) for mb in microbatches]
+    if pipelined:
+        widths = [max(widths)] * len(widths)
+    if not packing.worth_packing(sum(mb["input_ids"].numel() for mb in microbatches), sum(widths)):
+        return microbatches
+    return [{**mb, "pack_width": w} for mb, w in zip(microbatches, widths)]
+
+
 def make_forward_step(loss_fn: LossFn, model_kwargs: Callable[[Batch], dict] | None = None,
                       rows: Callable[[Batch], torch.Tensor | None] | None = None):
     """Build the `forward_step(data_iterator, model)` that Megatron's pipeline schedules call.
@@ -35,10 +93,8 @@ def make_forward_step(loss_fn: LossFn, model_kwargs: Callable[[Batch], dict] | N
     """
     def forward_step(data_iterator, model):
         batch = on_device_of(model, next(data_iterator))
-        input_ids = batch["input_ids"]
         extra = model_kwargs(batch) if model_kwargs else {}
-        with logits_at(model, rows(batch) if rows else None):
-            output = model(input_ids, batch.get("position_ids", position_ids_for(input_ids)), None, **extra)
+        output = model_forward(model, batch, rows(batch) if rows else None, **extra)
 
         def loss_func(output_tensor):
             loss_sum, num_tokens, stats = loss_fn(output_tensor, batch)
@@ -97,14 +153,18 @@ def run_schedule(
     """Run Megatron's schedule (no pipelining, 1F1B or interleaved) over `microbatches`.
 
     Every rank of a model-parallel group passes the same microbatches; each model chunk reads them
-    through its own iterator, as the interleaved schedule expects.
+    through its own iterator, as the interleaved schedule expects. With packing on, each runs packed
+    (`pack_widths`): the schedule then moves [W, 1, H] activations.
     """
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
-    mb0 = microbatches[0]["input_ids"]
-    seq_len = max(mb["input_ids"].shape[1] for mb in microbatches)
-    if any(mb["input_ids"].shape[1] != seq_len for mb in microbatches) and pipeline_stages() > 1:
-        raise ValueError("pipeline parallelism needs every microbatch padded to the same sequence length")
+    microbatches = pack_widths(microbatches, pipeline_stages() > 1)
+    if "pack_width" in microbatches[0]:
+        seq_len, mbs = microbatches[0]["pack_width"], 1
+    else:
+        seq_len, mbs = max(mb["input_ids"].shape[1] for mb in microbatches), microbatches[0]["input_ids"].shape[0]
+        if any(mb["input_ids"].shape[1] != seq_len for mb in microbatches) and pipeline_stages() > 1:
+            raise ValueError("pipeline parallelism needs every microbatch padded to the same sequence length")
     iterators = [iter(microbatches) for _ in chunks]
     return get_forward_backward_func()(
         forward_step_func=forward_step,
@@ -112,7 +172,7 @@ def run_schedule(
         model=chunks if len(chunks) > 1 else chunks[0],
         num_microbatches=len(microbatches),
         seq_length=seq_len,
-        micro_batch_size=mb0.shape[0],
+        micro_batch_size=mbs,
         forward_only=forward_only,
     )
 

@@ -26,6 +26,8 @@ from typing import Dict, List, Optional, Sequence
 
 import torch
 
+from megatron_rlhf.data.collate import token_groups
+
 TOKEN_FIELDS = ("response_ids", "response_mask", "sampler_logprobs", "logprobs", "ref_logprobs", "values",
                 "rewards", "advantages", "returns")
 
@@ -77,18 +79,24 @@ class Experience:
         out.input_ids = out.input_ids[:, :width]
         return out
 
-    def microbatches(self, micro_batch_size: int, same_width: Optional[bool] = None) -> List[Dict[str, torch.Tensor]]:
-        """Consecutive micro-batches as dicts for Megatron's schedule (`input_ids`, `response_index` and
-        every field that is set).
+    def microbatches(self, micro_batch_size: int, same_width: Optional[bool] = None,
+                     max_tokens: Optional[int] = None) -> List[Dict[str, torch.Tensor]]:
+        """Consecutive micro-batches as dicts for Megatron's schedule (`input_ids`, `response_index`, `lengths`
+        [b] (prompt + response tokens) and every field that is set).
 
         same_width: right-pad every micro-batch's input_ids to the widest one (pipeline stages exchange
         activations of one fixed shape; right padding changes no causal output at a real position).
-        None: only under pipeline parallelism, so pp=1 computes exactly what it did before."""
+        None: only under pipeline parallelism, so pp=1 computes exactly what it did before.
+        max_tokens (train.max_tokens_per_micro_batch): consecutive rows grouped by their tokens
+        (data/collate.py `token_groups`; with packing on, by default up to micro_batch_size rows of the longest)."""
         out = []
-        for start in range(0, self.size, micro_batch_size):
-            part = self.rows(range(start, min(start + micro_batch_size, self.size)))
+        from megatron_rlhf.models import packing
+
+        for group in token_groups(self.sequence_lengths.tolist(), micro_batch_size, max_tokens, packing.enabled()):
+            part = self.rows(group)
             mb = {f.name: getattr(part, f.name) for f in fields(part) if getattr(part, f.name) is not None}
             mb["response_index"] = part.response_index()
+            mb["lengths"] = part.sequence_lengths  # what packing lays end to end (models/packing.py)
             out.append(mb)
         if same_width is None:
             same_width = _pipeline_parallel()

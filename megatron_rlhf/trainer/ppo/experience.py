@@ -23,10 +23,10 @@ from megatron_rlhf.algo.correction import correction_weights
 from megatron_rlhf.algo.rewards import penalize_missing_eos, shaped_rewards
 from megatron_rlhf.trainer.ppo.batch import Experience
 from megatron_rlhf.models import heads
-from megatron_rlhf.models.logit_rows import logits_at, pick_rows
+from megatron_rlhf.models.logit_rows import pick_rows
 from megatron_rlhf.models.logprobs import token_entropy, token_logprobs, token_logprobs_and_entropy
 from megatron_rlhf.parallel.device import on_device_of
-from megatron_rlhf.trainer.step import pipeline_stages, position_ids_for, run_schedule
+from megatron_rlhf.trainer.step import model_forward, pipeline_stages, run_schedule, scatter_rows
 
 Batch = Dict[str, torch.Tensor]
 
@@ -54,9 +54,15 @@ def tp_group():
 
 
 def response_rows(mb: Batch) -> torch.Tensor:
-    """[b, T]: the positions whose logits predict the response tokens; with `logits_at`, the forward projects
-    only these (models/logit_rows.py). PPO-ptx micro-batches (no response) get None: every position."""
-    return mb.get("response_index")
+    """[b, T]: the positions whose logits predict the response tokens, -1 after each response (no one reads
+    them); with `logits_at`, the forward projects only these (models/logit_rows.py), packed only the real ones
+    (step.model_forward). PPO-ptx micro-batches (no response) get None: every position."""
+    from megatron_rlhf.models import packing
+
+    index = mb.get("response_index")
+    if index is None or not packing.enabled():
+        return index
+    return index.masked_fill(mb["response_mask"] == 0, -1)
 
 
 def _response_logits(logits: torch.Tensor, mb: Batch) -> torch.Tensor:
@@ -66,21 +72,32 @@ def _response_logits(logits: torch.Tensor, mb: Batch) -> torch.Tensor:
     return logits if logits.shape[1] == index.shape[1] else pick_rows(logits, index)
 
 
+def per_response_token(fn: Callable, logits: torch.Tensor, mb: Batch):
+    """`fn(logits [n, t, V/tp], response ids [n, t])` -> one or a tuple of [n, t] tensors, as [b, T] each: from
+    logits [b, S or T, V/tp], or a packed forward's [1, N, V/tp] at the real response rows alone (mb["rows_kept"],
+    step.model_forward), whose results are laid back out with 0 after each response."""
+    kept = mb.get("rows_kept")
+    if kept is None:
+        return fn(_response_logits(logits, mb), mb["response_ids"])
+    out = fn(logits, mb["response_ids"][kept].unsqueeze(0))
+    return tuple(scatter_rows(o, kept) for o in out) if isinstance(out, tuple) else scatter_rows(out, kept)
+
+
 def response_logprobs(logits: torch.Tensor, mb: Batch, vocab_size: int, temperature: float) -> torch.Tensor:
-    """Vocab-parallel logits [b, S or T, V/tp] -> log-probs [b, T] of the response tokens (padded ids excluded)."""
-    return token_logprobs(_response_logits(logits, mb), mb["response_ids"], tp_group(), vocab_size, temperature)
+    """Vocab-parallel logits (`per_response_token`) -> log-probs [b, T] of the response tokens (padded ids excluded)."""
+    return per_response_token(lambda z, y: token_logprobs(z, y, tp_group(), vocab_size, temperature), logits, mb)
 
 
 def response_logprobs_and_entropy(logits: torch.Tensor, mb: Batch, vocab_size: int, temperature: float):
-    """Vocab-parallel logits [b, S or T, V/tp] -> (log-probs [b, T], entropy [b, T], not differentiable) of the
-    response tokens, from one softmax."""
-    return token_logprobs_and_entropy(_response_logits(logits, mb), mb["response_ids"], tp_group(), vocab_size,
-                                      temperature)
+    """Vocab-parallel logits (`per_response_token`) -> (log-probs [b, T], entropy [b, T], not differentiable) of
+    the response tokens, from one softmax."""
+    return per_response_token(lambda z, y: token_logprobs_and_entropy(z, y, tp_group(), vocab_size, temperature),
+                              logits, mb)
 
 
 def response_entropy(logits: torch.Tensor, mb: Batch, vocab_size: int, temperature: float) -> torch.Tensor:
-    """Vocab-parallel logits [b, S or T, V/tp] -> entropy [b, T] of the policy at each response position."""
-    return token_entropy(_response_logits(logits, mb), tp_group(), vocab_size, temperature)
+    """Vocab-parallel logits (`per_response_token`) -> entropy [b, T] of the policy at each response position."""
+    return per_response_token(lambda z, y: token_entropy(z, tp_group(), vocab_size, temperature), logits, mb)
 
 
 def collect_logprobs(chunks, microbatches: List[Batch], vocab_size: int, temperature: float) -> List[torch.Tensor]:
@@ -127,8 +144,7 @@ def forward_collect(chunks, microbatches: List[Batch], extract: Callable[[torch.
 
     def forward_step(data_iterator, model):
         mb = on_device_of(model, next(data_iterator))
-        with logits_at(model, rows(mb) if rows else None):
-            output = model(mb["input_ids"], position_ids_for(mb["input_ids"]), None)
+        output = model_forward(model, mb, rows(mb) if rows else None)
 
         def loss_func(out):  # the results join the Experience, which lives on the host
             return torch.zeros(()), torch.tensor(1, dtype=torch.int), {"out": extract(out, mb).detach().cpu()}
@@ -152,13 +168,14 @@ def forward_collect(chunks, microbatches: List[Batch], extract: Callable[[torch.
 
 
 def score_and_recompute(exp: Experience, models: Dict[str, list], frozen: Frozen, micro_batch_size: int,
-                        with_values: bool = True, old_logprobs: str = "recompute") -> Experience:
+                        with_values: bool = True, old_logprobs: str = "recompute",
+                        max_tokens: Optional[int] = None) -> Experience:
     """Phases 2-3: fills logprobs, ref_logprobs, values, rm_scores and scores of `exp` (in place; returned).
 
     `models`: chunks by name ("policy", "reference", "reward" and, with `with_values`, "value"; without a
     "value" model, the critic-free estimators, exp.values stays None). `old_logprobs` (ppo.old_logprobs):
     "sampler" takes exp.logprobs from exp.sampler_logprobs instead of a policy forward."""
-    mbs = exp.microbatches(micro_batch_size)
+    mbs = exp.microbatches(micro_batch_size, max_tokens=max_tokens)
     v, t = frozen.vocab_size, frozen.temperature
     cat = lambda parts: torch.cat(parts)  # noqa: E731
     exp.rm_scores, exp.scores = score_responses(models["reward"], mbs, frozen)

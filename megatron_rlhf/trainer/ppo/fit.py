@@ -165,7 +165,8 @@ def fit(cfg) -> Dict[str, float]:
                         exp = rollout(engine, train_prompts, prompt_indices, cfg, iteration, ctx.dp_rank, tok)
                     with metrics.timer("time/score"), m.frozen_on_device():
                         score_and_recompute(exp, m.forward_models(), frozen, cfg.train.micro_batch_size,
-                                            old_logprobs=p.old_logprobs)
+                                            old_logprobs=p.old_logprobs,
+                                            max_tokens=cfg.train.max_tokens_per_micro_batch)
                         greedy = cf.remax_baseline(engine, [train_prompts[i] for i in prompt_indices], tok, m.reward,
                                                    frozen, cfg)
                     retokenized = reward_rows.take_counts() if reward_rows is not None else None

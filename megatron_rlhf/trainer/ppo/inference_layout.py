@@ -15,13 +15,13 @@ from typing import Dict, List, Optional
 
 import torch
 
-from megatron_rlhf.models.logit_rows import logits_at
+from megatron_rlhf.models import heads, packing
 from megatron_rlhf.models.logprobs import token_logprobs
 from megatron_rlhf.parallel.device import on_device_of
 from megatron_rlhf.rollout import redistribute as R
 from megatron_rlhf.rollout.layout import Layout, build_in_layout, run_in_layout
 
-ROW_KEYS = ("input_ids", "prompt_lengths", "response_ids", "response_mask")  # what an lm head reads
+ROW_KEYS = ("input_ids", "lengths", "prompt_lengths", "response_ids", "response_mask")  # what an lm head reads
 SCORE_KEYS = ("input_ids", "lengths")  # what a scalar head reads (experience.scoring_rows)
 
 
@@ -53,20 +53,26 @@ class InferenceModel:
         return out.to(microbatches[0]["input_ids"].device)
 
     def _forward(self, mb: Dict[str, torch.Tensor]) -> torch.Tensor:
-        from megatron_rlhf.trainer.step import position_ids_for
+        from megatron_rlhf.trainer.step import model_forward, scatter_rows
 
         mb = on_device_of(self.model, mb)
+        width = packing.packed_width(mb["lengths"], self.layout.tp)
+        if packing.enabled() and packing.worth_packing(mb["input_ids"].numel(), width):  # as the training layout packs
+            mb["pack_width"] = width
         ids = mb["input_ids"]
         if self.head == "scalar":
-            output = self.model(ids, position_ids_for(ids), None)  # [b, S, 1] scores
-            last = (mb["lengths"] - 1).clamp(min=0)
-            return output.squeeze(-1).gather(1, last.unsqueeze(1)).squeeze(1).float().cpu()
+            output = model_forward(self.model, mb)  # [b, S, 1] scores
+            return heads.last_token_scores(output, mb["lengths"]).cpu()
         lengths, T = mb["prompt_lengths"], mb["response_ids"].shape[1]
         index = ((lengths - 1).unsqueeze(1) + torch.arange(T, device=ids.device)).clamp(max=ids.shape[1] - 1)
-        with logits_at(self.model, index):
-            z = self.model(ids, position_ids_for(ids), None)  # [b, T, V/tp]: the response positions' logits
+        if packing.enabled():  # as experience.response_rows
+            index = index.masked_fill(mb["response_mask"] == 0, -1)
+        z = model_forward(self.model, mb, index)  # the response positions' logits: [b, T, V/tp], or packed [1, N, V/tp]
         group = self.layout.pg_collection.tp if self.layout.tp > 1 else None
-        return token_logprobs(z, mb["response_ids"], group, self.vocab_size, self.temperature).float().cpu()
+        kept = mb.get("rows_kept")
+        labels = mb["response_ids"] if kept is None else mb["response_ids"][kept].unsqueeze(0)
+        logp = token_logprobs(z, labels, group, self.vocab_size, self.temperature).float()
+        return (logp if kept is None else scatter_rows(logp, kept)).cpu()
 
 
 def _concat_rows(parts: List[Dict[str, torch.Tensor]]) -> Dict[str, torch.Tensor]:

@@ -17,6 +17,8 @@ from typing import Callable, Dict, List, Optional, Tuple
 
 import torch
 
+from megatron_rlhf.data.sampler import balanced_share
+from megatron_rlhf.models import packing
 from megatron_rlhf.algo.correction import correction_weights
 from megatron_rlhf.algo.losses import entropy_bonus, kl_penalty, policy_loss, value_loss
 from megatron_rlhf.trainer.ppo.batch import Experience
@@ -159,7 +161,11 @@ def learn(policy: Trainable, value: Optional[Trainable], exp: Experience, cfg, *
         order = torch.randperm(exp.size, generator=generator)
         for start in range(0, exp.size, p.minibatch_size):
             mine = order[start + dp_rank * share: start + (dp_rank + 1) * share]
-            mbs = exp.rows(mine).microbatches(cfg.train.micro_batch_size)
+            if packing.enabled() and dp_size > 1:  # an equal number of rows, their tokens balanced over DP ranks
+                rows = order[start: start + p.minibatch_size]
+                mine = rows[balanced_share(exp.sequence_lengths[rows].tolist(), dp_rank, dp_size)]
+            mbs = exp.rows(mine).microbatches(cfg.train.micro_batch_size,
+                                              max_tokens=cfg.train.max_tokens_per_micro_batch)
             if train_policy:
                 steps_done["policy"] += 1
                 poison["now"] = steps_done["policy"] in poisoned.get("policy", ())

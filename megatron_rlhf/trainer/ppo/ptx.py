@@ -11,13 +11,14 @@ the step's objective  L_policy + ptx_coef x mean LM loss over the ptx batch's N_
 
 from __future__ import annotations
 
-from typing import Dict, List, Tuple
+from typing import Dict, List, Optional, Tuple
 
 import torch
 
 from megatron_rlhf.data import dataset as D
 from megatron_rlhf.data.sampler import ShardedBatchSampler
 from megatron_rlhf.data.collate import collate_sft, microbatches
+from megatron_rlhf.models import packing
 from megatron_rlhf.trainer.ppo.experience import tp_group
 
 Batch = Dict[str, torch.Tensor]
@@ -27,8 +28,9 @@ class PtxBatches:
     """Global batches of SFT examples; `next_share()` -> this rank's micro-batches and the global token count."""
 
     def __init__(self, dataset, batch_size: int, micro_batch_size: int, dp_rank: int, dp_size: int, pad_id: int,
-                 seed: int = 0):
+                 seed: int = 0, max_tokens: Optional[int] = None):
         self.dataset, self.batch_size, self.micro_batch_size = dataset, batch_size, micro_batch_size
+        self.max_tokens = max_tokens  # train.max_tokens_per_micro_batch
         self.dp_rank, self.dp_size, self.pad_id = dp_rank, dp_size, pad_id
         # One global cursor (dp_size=1 view): every rank sees every index, so the token count needs no collective.
         self.sampler = ShardedBatchSampler(len(dataset), batch_size, 0, 1, seed=seed, key="ppo.minibatch_size")
@@ -37,7 +39,7 @@ class PtxBatches:
     def load(cls, cfg, tokenizer, dp_rank: int, dp_size: int, log=None) -> "PtxBatches":
         dataset, _ = D.load_examples("sft", cfg.data, tokenizer, cfg.ppo.ptx_data, log)
         return cls(dataset, cfg.ppo.minibatch_size, cfg.train.micro_batch_size, dp_rank, dp_size,
-                   tokenizer.pad_token_id, seed=cfg.data.seed or 0)
+                   tokenizer.pad_token_id, seed=cfg.data.seed or 0, max_tokens=cfg.train.max_tokens_per_micro_batch)
 
     def next_share(self) -> Tuple[List[Batch], int]:
         """(this rank's collated micro-batches, LM-loss tokens of the whole global batch)."""
@@ -46,7 +48,8 @@ class PtxBatches:
         mine = indices[self.dp_rank * share: (self.dp_rank + 1) * share]
         masks = self.dataset[[int(i) for i in indices]]["loss_mask"]
         tokens = int(sum(sum(m[1:]) for m in masks))  # collate_sft shifts the mask by one (next-token targets)
-        mbs = microbatches(self.dataset, mine, self.micro_batch_size, collate_sft, pad_id=self.pad_id)
+        mbs = microbatches(self.dataset, mine, self.micro_batch_size, collate_sft, max_tokens=self.max_tokens,
+                           packed=packing.enabled(), pad_id=self.pad_id)
         return mbs, tokens
 
     def state_dict(self) -> dict:
