@@ -99,11 +99,10 @@ def pack(input_ids: torch.Tensor, lengths: torch.Tensor, width: Optional[int] = 
     b, s = input_ids.shape
     lengths = lengths.to(input_ids.device).long().clamp(min=1, max=s)
     total = int(lengths.sum())
-    W = width if width is not None else -(-total // multiple) * multiple
+    W = width if width is not None else packed_width(lengths, multiple)
     if W < total:
         raise ValueError(f"a pack of width {W} cannot hold {total} tokens")
-    real = torch.arange(s, device=input_ids.device).unsqueeze(0) < lengths.unsqueeze(1)
-    ids = torch.nn.functional.pad(input_ids[real], (0, W - total))  # row-major: row 0's tokens, then row 1's...
+    ids = _laid_end_to_end(input_ids, lengths, W)
     segments = lengths.tolist() + ([W - total] if W > total else [])
     cu = torch.zeros(len(segments) + 1, dtype=torch.int32)
     cu[1:] = torch.tensor(segments, dtype=torch.int32).cumsum(0)
@@ -133,7 +132,11 @@ def unpack(output: torch.Tensor, packed: Pack, s: int) -> torch.Tensor:
 
 def pack_values(values: torch.Tensor, packed: Pack) -> torch.Tensor:
     """Per-position values [b, s] (e.g. labels) -> [1, W] at the pack positions of the real tokens (0 after)."""
-    b, s = values.shape
-    real = torch.arange(s, device=values.device).unsqueeze(0) < packed.lengths.unsqueeze(1)
+    return _laid_end_to_end(values, packed.lengths, packed.width).unsqueeze(0)
+
+
+def _laid_end_to_end(values: torch.Tensor, lengths: torch.Tensor, width: int) -> torch.Tensor:
+    """[b, s] right-padded, lengths [b] -> [width]: row 0's first lengths[0] values, then row 1's..., then 0."""
+    real = torch.arange(values.shape[1], device=values.device).unsqueeze(0) < lengths.to(values.device).unsqueeze(1)
     flat = values[real]
-    return torch.nn.functional.pad(flat, (0, packed.width - flat.numel())).unsqueeze(0)
+    return torch.nn.functional.pad(flat, (0, width - flat.numel()))

@@ -53,7 +53,8 @@ class InferenceModel:
         return out.to(microbatches[0]["input_ids"].device)
 
     def _forward(self, mb: Dict[str, torch.Tensor]) -> torch.Tensor:
-        from megatron_rlhf.trainer.step import model_forward, scatter_rows
+        from megatron_rlhf.trainer.ppo.experience import per_response_token, response_rows
+        from megatron_rlhf.trainer.step import model_forward
 
         mb = on_device_of(self.model, mb)
         width = packing.packed_width(mb["lengths"], self.layout.tp)
@@ -64,15 +65,12 @@ class InferenceModel:
             output = model_forward(self.model, mb)  # [b, S, 1] scores
             return heads.last_token_scores(output, mb["lengths"]).cpu()
         lengths, T = mb["prompt_lengths"], mb["response_ids"].shape[1]
-        index = ((lengths - 1).unsqueeze(1) + torch.arange(T, device=ids.device)).clamp(max=ids.shape[1] - 1)
-        if packing.enabled():  # as experience.response_rows
-            index = index.masked_fill(mb["response_mask"] == 0, -1)
-        z = model_forward(self.model, mb, index)  # the response positions' logits: [b, T, V/tp], or packed [1, N, V/tp]
+        index = (lengths - 1).unsqueeze(1) + torch.arange(T, device=ids.device)
+        mb["response_index"] = index.clamp(max=ids.shape[1] - 1)  # as Experience.response_index
+        z = model_forward(self.model, mb, response_rows(mb))  # the response positions' logits
         group = self.layout.pg_collection.tp if self.layout.tp > 1 else None
-        kept = mb.get("rows_kept")
-        labels = mb["response_ids"] if kept is None else mb["response_ids"][kept].unsqueeze(0)
-        logp = token_logprobs(z, labels, group, self.vocab_size, self.temperature).float()
-        return (logp if kept is None else scatter_rows(logp, kept)).cpu()
+        logp = per_response_token(lambda x, y: token_logprobs(x, y, group, self.vocab_size, self.temperature), z, mb)
+        return logp.float().cpu()
 
 
 def _concat_rows(parts: List[Dict[str, torch.Tensor]]) -> Dict[str, torch.Tensor]:
