@@ -71,7 +71,8 @@ def pack_widths(microbatches: List[Batch], pipelined: bool) -> List[Batch]:
     """The micro-batches marked to run packed (`model_forward`) when packing is on (models/packing.py
     `configure`), each has its rows' "lengths" and packing removes enough padding (`packing.worth_packing`):
     each pack as wide as its tokens rounded up to the TP size under sequence parallelism (the sequence is split
-    over TP ranks), and under a pipeline one width for all (stages exchange activations of one shape).
+    over TP ranks), and under a pipeline one width for all (stages exchange activations of one shape; micro-batches
+    of unequal row counts always run packed there).
     Otherwise as they are."""
     if not packing.enabled() or not microbatches or any("lengths" not in mb for mb in microbatches):
         return microbatches
@@ -79,7 +80,10 @@ def pack_widths(microbatches: List[Batch], pipelined: bool) -> List[Batch]:
     widths = [packing.packed_width(mb["lengths"], multiple) for mb in microbatches]
     if pipelined:
         widths = [max(widths)] * len(widths)
-    if not packing.worth_packing(sum(mb["input_ids"].numel() for mb in microbatches), sum(widths)):
+    # A pipeline moves activations of one shape, [s, b, H] padded: token-budget micro-batches of unequal row
+    # counts run packed ([W, 1, H]) even where packing saves little.
+    uniform = not pipelined or len({mb["input_ids"].shape[0] for mb in microbatches}) == 1
+    if uniform and not packing.worth_packing(sum(mb["input_ids"].numel() for mb in microbatches), sum(widths)):
         return microbatches
     return [{**mb, "pack_width": w} for mb, w in zip(microbatches, widths)]
 
@@ -163,8 +167,9 @@ def run_schedule(
         seq_len, mbs = microbatches[0]["pack_width"], 1
     else:
         seq_len, mbs = max(mb["input_ids"].shape[1] for mb in microbatches), microbatches[0]["input_ids"].shape[0]
-        if any(mb["input_ids"].shape[1] != seq_len for mb in microbatches) and pipeline_stages() > 1:
-            raise ValueError("pipeline parallelism needs every microbatch padded to the same sequence length")
+        if pipeline_stages() > 1 and any(mb["input_ids"].shape != (mbs, seq_len) for mb in microbatches):
+            raise ValueError("pipeline parallelism needs every microbatch of the same rows, padded to the same "
+                             "sequence length")
     iterators = [iter(microbatches) for _ in chunks]
     return get_forward_backward_func()(
         forward_step_func=forward_step,

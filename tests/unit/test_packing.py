@@ -157,5 +157,10 @@ def test_pack_widths_round_to_the_layout_and_one_width_through_a_pipeline():
         # 35 tokens of 36 padded: too little padding to be worth a pack; 40 of 48 (17% padding) is.
         assert "pack_width" not in pack_widths([_batch([9, 9, 9, 8])[0]], pipelined=False)[0]
         assert pack_widths([_batch([12, 12, 12, 4])[0]], pipelined=False)[0]["pack_width"] == 40
+        # Through a pipeline, micro-batches of unequal row counts (token budgets) cannot run padded: one
+        # activation shape for all, so they pack even with little padding.
+        full, short = _batch([9, 9, 9, 8])[0], _batch([9])[0]
+        assert "pack_width" not in pack_widths([full, short], pipelined=False)[0]
+        assert [mb["pack_width"] for mb in pack_widths([full, short], pipelined=True)] == [35, 35]
     finally:
         packing.configure(False)
