@@ -18,7 +18,7 @@ the longest row's tokens). The two alternate iteration by iteration on the same 
 slows both alike); the speed-up is the ratio of their medians.
 
 real_token_fraction: real tokens / tokens the model processed, over every forward of the iteration (the policy
-and value training forwards and the four scoring forwards). One JSON line at the end (machine.py's CPU).
+and value training forwards and the four scoring forwards), as a run logs it (perf/real_token_fraction). One JSON line at the end (machine.py's CPU).
 """
 
 from __future__ import annotations
@@ -63,35 +63,14 @@ def experience(lengths: torch.Tensor, vocab: int, it: int):
     return build_experience(prompts, gen, 0)
 
 
-class Counter:
-    """Real and processed tokens of every model forward (`step.model_forward`): packed, the pack's width."""
-
-    def __init__(self):
-        from megatron_rlhf.trainer import step
-
-        self.real = self.processed = 0
-        inner = step.model_forward
-
-        def counted(model, batch, rows=None, **extra):
-            if getattr(model, "pre_process", True):
-                self.real += int(batch["lengths"].sum()) if "lengths" in batch else batch["input_ids"].numel()
-                self.processed += int(batch.get("pack_width") or batch["input_ids"].numel())
-            return inner(model, batch, rows, **extra)
-
-        step.model_forward = counted
-        from megatron_rlhf.trainer.ppo import experience as ex
-
-        ex.model_forward = counted  # the forward-only passes call it by this name
-
-
-def one(ours, packed: bool, mix: str, it: int, max_len: int, counter: Counter, sigma: float = 1.0) -> dict:
+def one(ours, packed: bool, mix: str, it: int, max_len: int, sigma: float = 1.0) -> dict:
     from megatron_rlhf.models import packing
     from megatron_rlhf.trainer.ppo.experience import Frozen, estimate_advantages, score_and_recompute
     from megatron_rlhf.trainer.ppo.learn import SkipGuard, learn
 
     packing.configure(packed)
     exp = experience(response_lengths(mix, it, max_len, sigma), ours.cfg.vocab_size, it)
-    counter.real = counter.processed = 0
+    packing.take_real_token_fraction()  # the tally of this iteration starts here
     sync()
     marks = [time.perf_counter()]
     score_and_recompute(exp, ours.models, Frozen(ours.cfg.vocab_size, 1.0), ours.cfg.train.micro_batch_size)
@@ -104,7 +83,7 @@ def one(ours, packed: bool, mix: str, it: int, max_len: int, counter: Counter, s
     sync()
     marks.append(time.perf_counter())
     phases = {name: b - a for name, a, b in zip(("score", "advantages", "learn"), marks, marks[1:])}
-    return {"s": marks[-1] - marks[0], **phases, "real_token_fraction": counter.real / counter.processed}
+    return {"s": marks[-1] - marks[0], **phases, "real_token_fraction": packing.take_real_token_fraction()}
 
 
 def main():
@@ -121,16 +100,15 @@ def main():
     model_cfg, parallel = bench.setup(shape, "float32")
     cfg, policy, value, models = bench.build(model_cfg, parallel, 64)
     ours = argparse.Namespace(cfg=cfg, policy=policy, value=value, models=models)
-    counter = Counter()
     mixes = MIXES if reference else ("long_tailed",)
     results = {}
     for mix in mixes:
         for packed in (False, True):  # a warm-up of each side
-            one(ours, packed, mix, -1, max_len, counter, args.sigma)
+            one(ours, packed, mix, -1, max_len, args.sigma)
         runs = {False: [], True: []}
         for it in range(repeats):
             for packed in (False, True):
-                r = one(ours, packed, mix, it, max_len, counter, args.sigma)
+                r = one(ours, packed, mix, it, max_len, args.sigma)
                 runs[packed].append(r)
                 print(f"  {mix} {'packed' if packed else 'padded'} {it + 1}: {r['s']:.2f} s "
                       f"(score {r['score']:.2f}, learn {r['learn']:.2f}; real tokens {r['real_token_fraction']:.2f})",

@@ -152,7 +152,7 @@ class TrainConfig:
     max_tokens_per_micro_batch: Optional[int] = _f(
         None, "token budget of one micro-batch (rows grouped by length to fill it; packed: their tokens, padded: "
               "rows x the longest); null = micro_batch_size rows of the step's longest row (with packing on)")
-    packing: bool = _f(False, "lay each micro-batch's rows end to end (no padding; attention within each row) in "
+    packing: bool = _f(True, "lay each micro-batch's rows end to end (no padding; attention within each row) in "
                               "every forward and training pass; off under context parallelism")
     train_steps: Optional[int] = _f(None, "optimizer steps; null = epochs * steps per epoch")
     epochs: int = _f(1, "passes over the training data when train_steps is null")

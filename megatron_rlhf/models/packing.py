@@ -82,9 +82,35 @@ def worth_packing(padded_tokens: int, packed_tokens: int) -> bool:
 
 def last_stage(model: torch.nn.Module) -> bool:
     """Whether this chunk (wrapped or not) computes the model's output (the last pipeline stage)."""
+    return bool(getattr(_unwrapped(model), "post_process", True))
+
+
+def first_stage(model: torch.nn.Module) -> bool:
+    """Whether this chunk (wrapped or not) embeds the tokens (the first pipeline stage)."""
+    return bool(getattr(_unwrapped(model), "pre_process", True))
+
+
+def _unwrapped(model: torch.nn.Module) -> torch.nn.Module:
     while hasattr(model, "module"):
         model = model.module
-    return bool(getattr(model, "post_process", True))
+    return model
+
+
+_tokens = {"real": 0, "processed": 0}
+
+
+def count_tokens(real: int, processed: int) -> None:
+    """One first-stage forward (trainer/step.py `model_forward`): its rows' real tokens and the tokens it ran."""
+    _tokens["real"] += int(real)
+    _tokens["processed"] += int(processed)
+
+
+def take_real_token_fraction() -> float | None:
+    """Real tokens / tokens processed over this process's forwards since the last call (None: there were none),
+    the share of the work that was not padding (`perf/real_token_fraction`); the tally starts again."""
+    real, processed = _tokens["real"], _tokens["processed"]
+    _tokens.update(real=0, processed=0)
+    return real / processed if processed else None
 
 
 def packed_width(lengths: Sequence[int] | torch.Tensor, multiple: int = 1) -> int:

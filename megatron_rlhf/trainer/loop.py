@@ -99,6 +99,7 @@ def run_stage(cfg, stage: Stage) -> Dict[str, float]:
         mbs = microbatches(splits.train, indices, cfg.train.micro_batch_size, collate,
                            max_tokens=cfg.train.max_tokens_per_micro_batch, packed=packing.enabled(),
                              pad_id=tokenizer.pad_token_id, pad_to=pad_to)
+        packing.take_real_token_fraction()  # the tally of this step's forwards starts here
         with metrics.timer("time/step") as timing:
             if attach is not None:  # inside the timer: an online reference forward is part of the step
                 mbs = attach("train", mbs, indices)
@@ -108,6 +109,9 @@ def run_stage(cfg, stage: Stage) -> Dict[str, float]:
         perf = {"perf/tokens_per_step": tokens, "perf/peak_memory_gib": peak_memory_gib()}
         if timing.seconds:
             perf["perf/tokens_per_s"] = tokens / timing.seconds
+        fraction = packing.take_real_token_fraction()  # this rank's forwards: the share that was not padding
+        if fraction is not None:
+            perf["perf/real_token_fraction"] = fraction
         metrics.log_step(step, {f"train/{k}": v for k, v in stats.items()} | perf, last=step == stop_at)
         evaluate_now = cfg.train.eval_interval and step % cfg.train.eval_interval == 0
         if splits.eval is not None and (evaluate_now or step == total_steps):

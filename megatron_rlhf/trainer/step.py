@@ -40,6 +40,9 @@ def model_forward(model: torch.nn.Module, batch: Batch, rows: torch.Tensor | Non
     over them back out as [b, T])."""
     input_ids = batch["input_ids"]
     width = batch.get("pack_width")
+    if packing.first_stage(model):
+        real = batch["lengths"].sum() if "lengths" in batch else input_ids.numel()
+        packing.count_tokens(real, input_ids.numel() if width is None else width)
     if width is None:
         with logits_at(model, rows.clamp(min=0) if rows is not None else None):
             return model(input_ids, batch.get("position_ids", position_ids_for(input_ids)), None, **extra)

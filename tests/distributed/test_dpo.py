@@ -79,8 +79,10 @@ def test_dpo_raises_true_reward_resumes_exactly_and_tp2_online_matches(base, tmp
     c = rows(tp2)
     for step in a:
         for key, value in a[step].items():
-            if key == "eval/reward_accuracy" or key.startswith("eval/summary"):
-                continue  # the summary is off here; an accuracy counts pairs on either side of 0
+            if key == "eval/reward_accuracy" or key.startswith("eval/summary") or \
+                    (step == 1 and key == "train/reward_accuracy"):
+                continue  # the summary is off here; an accuracy counts pairs on either side of 0, and at step 1
+                # (policy = reference) every implicit reward is 0 up to rounding
             assert c[step][key] == pytest.approx(value, rel=1e-3, abs=1e-4), (step, key)
 
     # A new run from the DPO weights keeps the SFT reference with dpo.reference_load: its first loss is below

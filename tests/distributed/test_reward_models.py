@@ -100,9 +100,10 @@ def test_such_a_run_resumes_bit_identically(own, tmp_path):
 
 def test_the_in_ppo_score_equals_the_direct_score_bit_for_bit(own, tmp_path):
     """One rank, the reward model in its inference layout: each evaluation's 8 rows are one batch there, right-padded
-    to the widest and run 4 (train.micro_batch_size) at a time; the direct scorer batches the rendered text alike."""
+    to the widest and run 4 (train.micro_batch_size) at a time; the direct scorer batches the rendered text alike.
+    Padded (train.packing=false): packed rows are another GEMM shape, equal to padded within 1e-6 (test_packing)."""
     run = tmp_path / "one_rank"
     _ppo(own, run, nproc=1, **{"ppo.iterations": 1, "ppo.eval_prompts": 8, "ppo.rollout_batch_size": 8,
-                               "checkpoint.save_interval": 0})
+                               "checkpoint.save_interval": 0, "train.packing": "false"})
     ended = _scores_equal_direct(own, run, tmp_path, batch=4)
     assert any(ended) and not all(ended)

@@ -94,3 +94,41 @@ def test_released_weights_leave_the_gpu_and_come_back_byte_for_byte(world_of_one
         assert held - torch.cuda.memory_allocated() >= 0.9 * weight_bytes
     assert torch.cuda.memory_allocated() == held
     assert all(torch.equal(a, p) for a, p in zip(before, model.parameters()))
+
+
+@cuda
+def test_packed_rows_equal_padded_on_the_gpu(world_of_one):
+    """models/packing.py on CUDA (issue 46), fp32 with TF32 off: Transformer Engine's THD attention where TE is
+    installed, else the local spec's SDPAttention; the logits of every real token and the scores equal padded within
+    1e-5, and changing one packed row leaves the others' logits bit-identical."""
+    from megatron_rlhf.models import packing
+    from megatron_rlhf.models.build import build_model
+    from megatron_rlhf.parallel import init
+    from megatron_rlhf.parallel.layout import ParallelConfig
+    from megatron_rlhf.trainer.step import model_forward, pack_widths
+
+    torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False
+    init.initialize(ParallelConfig(), seed=0)
+    model = build_model(tiny(params_dtype="float32"), ParallelConfig())[0].cuda().eval()
+    lengths = torch.tensor([5, 40, 2, 17])
+    real = torch.arange(40).unsqueeze(0) < lengths.unsqueeze(1)
+    ids = (torch.randint(1, 256, (4, 40)) * real).cuda()
+
+    def forward(input_ids, packed):
+        packing.configure(packed, min_saving=0.0)
+        try:
+            [mb] = pack_widths([{"input_ids": input_ids, "lengths": lengths}], pipelined=False)
+            assert ("pack_width" in mb) == packed
+            with torch.no_grad():
+                return model_forward(model, mb).float().cpu()
+        finally:
+            packing.configure(False)
+
+    padded, packed = forward(ids, False), forward(ids, True)
+    assert (packed - padded)[real].abs().max() <= 1e-5 * padded[real].abs().max()
+    changed = ids.clone()
+    changed[1, :40] = torch.randint(1, 256, (40,)).cuda()
+    again = forward(changed, True)
+    keep = torch.tensor([0, 2, 3])
+    assert torch.equal(again[keep][real[keep]], packed[keep][real[keep]])
+    assert not torch.equal(again[1], packed[1])

@@ -71,6 +71,19 @@ def test_packed_outputs_and_gradients_equal_padded(world, head, groups):
         assert (grads[1][name] - g).abs().max() <= 1e-6 * g.abs().max(), name
 
 
+def test_the_real_token_fraction_counts_what_each_forward_ran(world):
+    """perf/real_token_fraction: 29 real tokens of a 4 x 13 padded batch (0.56), all of them packed."""
+    model, (batch, _) = _model(), _batch()
+    packing.take_real_token_fraction()  # whatever earlier tests ran
+    assert packing.take_real_token_fraction() is None  # nothing ran since the last call
+    with torch.no_grad():
+        _run(model, batch, False)
+        assert packing.take_real_token_fraction() == sum(LENGTHS) / (len(LENGTHS) * max(LENGTHS))
+        _run(model, batch, True)
+        _run(model, batch, True)
+    assert packing.take_real_token_fraction() == 1.0
+
+
 def test_packed_logits_at_rows_and_the_labels_loss_equal_padded(world):
     model = _model()
     batch, real = _batch()

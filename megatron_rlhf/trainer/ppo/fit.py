@@ -29,6 +29,7 @@ from megatron_rlhf.trainer.ppo.batch import Experience, all_gather_experience
 from megatron_rlhf.data.sampler import ShardedBatchSampler
 from megatron_rlhf.checkpoint import state as ckpt
 from megatron_rlhf.parallel.cpu import peak_memory_gib
+from megatron_rlhf.models import packing
 from megatron_rlhf.parallel import init
 from megatron_rlhf.config.fields import ConfigError, load_gold_scorer
 from megatron_rlhf.config.generation import GENERATION_CONFIG
@@ -158,6 +159,7 @@ def fit(cfg) -> Dict[str, float]:
         saved_at = iteration if resume_from is not None else -1  # the iteration the latest checkpoint holds
         first_iteration, loop_started = iteration, time.time()
         while iteration < stop_at:
+            packing.take_real_token_fraction()  # the tally of this iteration's forwards starts here
             with metrics.timer("time/iteration") as timing:
                 with engine.same_weights():  # ReMax's greedy baseline reuses the rollout's copy of the weights
                     with metrics.timer("time/rollout"), offloaded([m.policy, m.value]):  # grads + optimizer state to host
@@ -243,10 +245,14 @@ def rollout(engine, prompts: List[List[int]], indices: List[int], cfg, iteration
 
 
 def perf_stats(batch: Experience, seconds: float) -> Dict[str, float]:
-    """Tokens of the global rollout batch (prompt + response) per second of the iteration, and peak memory."""
+    """Tokens of the global rollout batch (prompt + response) per second of the iteration, peak memory, and the
+    real-token fraction of this rank's scoring and training forwards (models/packing.py; the sampler's not counted)."""
     out = {"perf/peak_memory_gib": peak_memory_gib(), "perf/tokens_per_iteration": float(batch.sequence_lengths.sum())}
     if seconds:
         out["perf/tokens_per_s"] = out["perf/tokens_per_iteration"] / seconds
+    fraction = packing.take_real_token_fraction()
+    if fraction is not None:
+        out["perf/real_token_fraction"] = fraction
     return out
 
 
