@@ -347,10 +347,9 @@ def check_hf_shape(name: str, found: Sequence[int], expected: Sequence[int]) -> 
 
 
 def _unwrap(module: torch.nn.Module) -> torch.nn.Module:
-    # DDP and Float16Module wrap the GPTModel as `.module`.
-    while hasattr(module, "module") and isinstance(module.module, torch.nn.Module):
-        module = module.module
-    return module
+    from megatron.core.utils import unwrap_model  # DDP and Float16Module wrap the GPTModel as `.module`
+
+    return unwrap_model(module)
 
 
 _LAYER_NAME = re.compile(r"decoder\.layers\.(\d+)\.(.*)$")

@@ -75,8 +75,9 @@ def _batch_major_forward(self, hidden_states, weight=None, runtime_gather_output
 
 
 def _output_layer(model: torch.nn.Module):
-    while hasattr(model, "module"):  # DDP / Float16Module wrappers
-        model = model.module
+    from megatron.core.utils import unwrap_model  # DDP / Float16Module wrappers
+
+    model = unwrap_model(model)
     if not getattr(model, "post_process", False):
         return None
     layer = getattr(model, "output_layer", None)

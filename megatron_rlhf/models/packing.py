@@ -25,6 +25,7 @@ from typing import List, Optional, Sequence
 
 import torch
 from megatron.core.packed_seq_params import PackedSeqParams
+from megatron.core.utils import unwrap_model
 
 
 @dataclass
@@ -82,18 +83,12 @@ def worth_packing(padded_tokens: int, packed_tokens: int) -> bool:
 
 def last_stage(model: torch.nn.Module) -> bool:
     """Whether this chunk (wrapped or not) computes the model's output (the last pipeline stage)."""
-    return bool(getattr(_unwrapped(model), "post_process", True))
+    return bool(getattr(unwrap_model(model), "post_process", True))
 
 
 def first_stage(model: torch.nn.Module) -> bool:
     """Whether this chunk (wrapped or not) embeds the tokens (the first pipeline stage)."""
-    return bool(getattr(_unwrapped(model), "pre_process", True))
-
-
-def _unwrapped(model: torch.nn.Module) -> torch.nn.Module:
-    while hasattr(model, "module"):
-        model = model.module
-    return model
+    return bool(getattr(unwrap_model(model), "pre_process", True))
 
 
 _tokens = {"real": 0, "processed": 0}

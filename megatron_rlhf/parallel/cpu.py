@@ -350,6 +350,7 @@ def fuse_grad_accumulation(chunk: torch.nn.Module) -> None:
     if cuda_available():
         return  # on GPU the config's gradient_accumulation_fusion decides (Apex or TE provide the kernel)
     from megatron.core.tensor_parallel import layers
+    from megatron.core.utils import unwrap_model
 
     layers.fused_weight_gradient_mlp_cuda = _WgradAccumulation
     layers.F = _EmbeddingFunctional()
@@ -358,9 +359,7 @@ def fuse_grad_accumulation(chunk: torch.nn.Module) -> None:
         main_grad = getattr(weight, "main_grad", None)
         return main_grad is not None and main_grad.dtype == weight.dtype == torch.float32
 
-    model = chunk
-    while hasattr(model, "module"):
-        model = model.module
+    model = unwrap_model(chunk)
     tied_fused = None  # the tied embedding weight, when the output layer that uses it is fused
     for module in model.modules():
         if isinstance(module, layers.VocabParallelEmbedding) and getattr(module.weight, "main_grad", None) is not None:
