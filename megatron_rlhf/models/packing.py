@@ -94,16 +94,17 @@ def first_stage(model: torch.nn.Module) -> bool:
 _tokens = {"real": 0, "processed": 0}
 
 
-def count_tokens(real: int, processed: int) -> None:
-    """One first-stage forward (trainer/step.py `model_forward`): its rows' real tokens and the tokens it ran."""
-    _tokens["real"] += int(real)
+def count_tokens(real: int | torch.Tensor, processed: int) -> None:
+    """One first-stage forward (trainer/step.py `model_forward`): its rows' real tokens (a 0-dim tensor is summed
+    where it lives, so a micro-batch on the GPU costs no device sync here) and the tokens it ran."""
+    _tokens["real"] = _tokens["real"] + real
     _tokens["processed"] += int(processed)
 
 
 def take_real_token_fraction() -> float | None:
     """Real tokens / tokens processed over this process's forwards since the last call (None: there were none),
     the share of the work that was not padding (`perf/real_token_fraction`); the tally starts again."""
-    real, processed = _tokens["real"], _tokens["processed"]
+    real, processed = float(_tokens["real"]), _tokens["processed"]
     _tokens.update(real=0, processed=0)
     return real / processed if processed else None
 
