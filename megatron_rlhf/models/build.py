@@ -12,7 +12,7 @@ from typing import List, Literal, Optional
 import torch
 
 from megatron_rlhf.models.heads import ScalarHead
-from megatron_rlhf.models.spec import ModelConfig, layer_spec, transformer_config
+from megatron_rlhf.models.spec import ModelConfig, decoder_spec, transformer_config
 from megatron_rlhf.parallel.device import compute_device
 from megatron_rlhf.parallel.layout import Fp8Config, ParallelConfig
 
@@ -47,7 +47,8 @@ def build_model_chunk(
     scalar = head == "scalar"
     gpt = GPTModel(
         config=config,
-        transformer_layer_spec=layer_spec(te=True if fp8 is not None and fp8.format is not None else None),
+        transformer_layer_spec=decoder_spec(config, te=True if fp8 is not None and fp8.format is not None else None,
+                                            vp_stage=vp_stage, pp_rank=pg_collection.pp.rank() if pg_collection else None),
         vocab_size=model.padded_vocab_size(parallel.tp),
         max_sequence_length=model.max_position_embeddings,
         pre_process=pre_process,

@@ -32,6 +32,8 @@ class ScalarHead(MegatronModule):
         # gradients agree across TP ranks without a TP all-reduce (DDP still averages over DP).
 
     def forward(self, hidden_states, weight=None, runtime_gather_output=None):
-        if self.sequence_parallel:
-            hidden_states = gather_from_sequence_parallel_region(hidden_states, group=self.tp_group)
+        if self.sequence_parallel:  # every TP rank then computes the same whole output, so the backward
+            # takes this rank's slice of its gradient as it is (a reduce-scatter would count it tp times)
+            hidden_states = gather_from_sequence_parallel_region(hidden_states, tensor_parallel_output_grad=False,
+                                                                 group=self.tp_group)
         return torch.matmul(hidden_states, self.weight.t()), None

@@ -54,10 +54,14 @@ class _RMSNormFunction(torch.autograd.Function):
 class RMSNorm(torch.nn.RMSNorm):
     """`torch.nn.RMSNorm` over the last dimension with one autograd node (module docstring).
 
-    Built by Megatron's layer spec as `RMSNorm(config=..., hidden_size=..., eps=...)`."""
+    Built by Megatron's layer spec as `RMSNorm(config=..., hidden_size=..., eps=...)`. Under sequence
+    parallelism each tensor-parallel rank normalises its own slice of the sequence, so its weight gradient is a
+    partial sum: the weight is marked `sequence_parallel`, as Megatron's own norms mark theirs, and Megatron's
+    `finalize_model_grads` sums it over the tensor-parallel group."""
 
     def __init__(self, config=None, hidden_size: int = 0, eps: float = 1e-5, **_unused):
         super().__init__(hidden_size, eps=eps)
+        self.weight.sequence_parallel = bool(config is not None and config.sequence_parallel)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x [.., H] -> [.., H] in x's dtype."""

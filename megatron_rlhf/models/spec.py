@@ -195,11 +195,13 @@ def use_te_spec() -> bool:
     return transformer_engine_available()
 
 
-def layer_spec(te: Optional[bool] = None):
+def layer_spec(te: Optional[bool] = None, sequence_parallel: bool = False):
     """Megatron ModuleSpec for one decoder layer: TE-fused on GPU with TE, local modules otherwise
     (with `SDPAttention` as core attention).
 
-    `te=True` (FP8 runs) insists on Transformer Engine: FP8 never silently becomes a bf16 run."""
+    `te=True` (FP8 runs) insists on Transformer Engine: FP8 never silently becomes a bf16 run.
+    `sequence_parallel`: the local spec's norms are ours (models/norm_glu.py) on the GPU too, since
+    Megatron's torch fallback (`WrappedTorchNorm`) has no sequence-parallel path."""
     from megatron.core.models.gpt import gpt_layer_specs
 
     if te and not use_te_spec():
@@ -215,12 +217,28 @@ def layer_spec(te: Optional[bool] = None):
 
     spec = gpt_layer_specs.get_gpt_layer_local_spec(normalization="RMSNorm")
     spec.submodules.self_attention.submodules.core_attention = SDPAttention  # one fused op (see its module)
-    if not cuda_available():  # one autograd node each (models/norm_glu.py); GPUs keep torch's fused norm
-        from megatron_rlhf.models.norm_glu import RMSNorm, SwiGLU
+    from megatron_rlhf.models.norm_glu import RMSNorm, SwiGLU
 
-        spec.submodules.input_layernorm = spec.submodules.pre_mlp_layernorm = RMSNorm
+    if not cuda_available():  # one autograd node each (models/norm_glu.py); GPUs keep torch's fused norm
         megatron_version.set_mlp_activation(spec, SwiGLU)  # with use_te_activation_func (parallel/cpu.py)
+    if sequence_parallel or not cuda_available():
+        spec.submodules.input_layernorm = spec.submodules.pre_mlp_layernorm = RMSNorm
     return spec
+
+
+def decoder_spec(config, te: Optional[bool] = None, vp_stage: Optional[int] = None, pp_rank: Optional[int] = None):
+    """GPTModel's `transformer_layer_spec` for this pipeline stage: `layer_spec`, or under sequence parallelism
+    on the local spec the whole block's spec, so that the block's final norm is ours too (Megatron fills it in
+    with `WrappedTorchNorm` otherwise, which asserts on sequence parallelism)."""
+    spec = layer_spec(te=te, sequence_parallel=config.sequence_parallel)
+    if not config.sequence_parallel or (use_te_spec() if te is None else te):
+        return spec
+    from megatron.core.transformer.transformer_block import TransformerBlockSubmodules, get_num_layers_to_build
+
+    from megatron_rlhf.models.norm_glu import RMSNorm
+
+    layers = get_num_layers_to_build(config, vp_stage=vp_stage, pp_rank=pp_rank)
+    return TransformerBlockSubmodules(layer_specs=[spec] * layers, layer_norm=RMSNorm)
 
 
 def transformer_config(

@@ -112,16 +112,6 @@ def validate_layout(
             f"parallel.sequence_parallel=true needs parallel.tp > 1 (got tp={p.tp}): "
             "set sequence_parallel=false or raise tp"
         )
-    if p.sequence_parallel:
-        if te_available is None:
-            from megatron_rlhf.parallel.cpu import transformer_engine_available
-
-            te_available = transformer_engine_available()
-        if not te_available:  # megatron-core's local spec norm (WrappedTorchNorm) asserts on it, deep in the build
-            raise LayoutError(
-                "parallel.sequence_parallel=true needs the Transformer Engine layer spec (CUDA and "
-                "transformer-engine; the local spec's norm has no sequence-parallel path): set sequence_parallel=false"
-            )
     if fp8 is not None and fp8.format is not None:
         if fp8.format not in ("e4m3", "hybrid"):
             raise LayoutError(f"fp8.format={fp8.format!r} is not one of 'e4m3', 'hybrid'")

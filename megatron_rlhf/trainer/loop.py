@@ -98,7 +98,7 @@ def run_stage(cfg, stage: Stage) -> Dict[str, float]:
         indices = next(sampler)
         mbs = microbatches(splits.train, indices, cfg.train.micro_batch_size, collate,
                            max_tokens=cfg.train.max_tokens_per_micro_batch, packed=packing.enabled(),
-                             pad_id=tokenizer.pad_token_id, pad_to=pad_to)
+                           pad_id=tokenizer.pad_token_id, pad_to=pad_to, multiple_of=packing.sequence_multiple())
         packing.take_real_token_fraction()  # the tally of this step's forwards starts here
         with metrics.timer("time/step") as timing:
             if attach is not None:  # inside the timer: an online reference forward is part of the step
@@ -153,7 +153,7 @@ def evaluate(chunks, dataset, stage: Stage, cfg, tokenizer, dp_size: int, pad_to
         for start in range(0, len(indices), cfg.train.micro_batch_size):
             part = indices[start: start + cfg.train.micro_batch_size]
             mbs = microbatches(dataset, part, len(part), COLLATE[stage.data_kind],
-                                 pad_id=tokenizer.pad_token_id, pad_to=pad_to)
+                                 pad_id=tokenizer.pad_token_id, pad_to=pad_to, multiple_of=packing.sequence_multiple())
             if attach is not None:
                 mbs = attach("eval", mbs, part)
             outputs += run_schedule(chunks, mbs, forward_step, forward_only=True)

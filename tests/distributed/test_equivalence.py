@@ -1,4 +1,4 @@
-"""TP=2, PP=2 (+ virtual pipeline) and DP=2 with the distributed optimizer match a single-rank run.
+"""TP=2 (with and without sequence parallelism), PP=2 (+ virtual pipeline) and DP=2 with the distributed optimizer match a single-rank run.
 
 Same fixed batch, same initial weights (loaded from a checkpoint the single-rank run saved),
 dropout off, fp32, gradient clipping active (clip 0.5 < the measured grad norms), 3 optimizer
@@ -12,8 +12,9 @@ from megatron_rlhf.plan.params import Layout, stage_params
 from tests.distributed.launch import read_json, torchrun
 
 LAYOUTS = {
-    # name: (tp, pp, distributed optimizer, vpp)
+    # name: (tp, pp, distributed optimizer, vpp[, sequence parallel])
     "tp2": (2, 1, 0, 0),
+    "tp2_sp": (2, 1, 0, 0, 1),  # the local spec's norms sum their weight gradients over TP (models/norm_glu.py)
     "pp2": (1, 2, 0, 0),
     "pp2_vpp2": (1, 2, 0, 2),
     "dp2_distopt": (1, 1, 1, 0),
@@ -30,9 +31,9 @@ def reference(tmp_path_factory):
 @pytest.mark.parametrize("layout", sorted(LAYOUTS))
 def test_layout_matches_single_rank(reference, layout):
     d, ref = reference
-    tp, pp, distopt, vpp = LAYOUTS[layout]
+    tp, pp, distopt, vpp, *sp = LAYOUTS[layout]
     out = d / f"{layout}.json"
-    torchrun("equivalence.py", out, d / "init", "load", tp, pp, distopt, vpp, nproc=2)
+    torchrun("equivalence.py", out, d / "init", "load", tp, pp, distopt, vpp, *sp, nproc=2)
     got = read_json(out)
     for head in ("lm", "scalar"):
         assert len(got[head]) == 3

@@ -25,6 +25,7 @@ import torch
 from megatron_rlhf.algo.losses import dpo_loss
 from megatron_rlhf.data.sampler import eval_batches
 from megatron_rlhf.data.collate import collate_preference, microbatches
+from megatron_rlhf.models import packing
 from megatron_rlhf.models.logprobs import token_logprobs
 from megatron_rlhf.trainer.loop import Stage, run_stage
 
@@ -117,7 +118,7 @@ def precompute_table(reference, dataset, cfg, tokenizer, pad_to, vocab_size: int
             part = indices[start: start + mbs_size]
             # One micro-batch per schedule call: a shorter tail keeps pipeline shapes consistent.
             mbs = microbatches(dataset, part, len(part), collate_preference, pad_id=tokenizer.pad_token_id,
-                                 pad_to=pad_to)
+                               pad_to=pad_to, multiple_of=packing.sequence_multiple())
             (logps,) = reference_logps(reference, mbs, vocab_size)
             table[part] = logps.float().view(2, -1).t()
     if dp_size > 1:

@@ -1,6 +1,6 @@
 """3 optimizer steps of an LM and a value model on a fixed batch; writes per-step losses (rank 0).
 
-Usage: torchrun --nproc_per_node N equivalence.py OUT.json INIT_DIR save|load TP PP DISTOPT [VPP]
+Usage: torchrun --nproc_per_node N equivalence.py OUT.json INIT_DIR save|load TP PP DISTOPT [VPP [SEQUENCE_PARALLEL]]
 The global batch is identical for every layout; DP ranks take disjoint halves of it. Initial
 weights come from one place: the single-rank reference run saves them as a Megatron distributed
 checkpoint (`save`), the parallel runs load them resharded to their layout (`load`).
@@ -68,7 +68,9 @@ def main():
     out, init_dir, mode = sys.argv[1], sys.argv[2], sys.argv[3]
     tp, pp, distopt = int(sys.argv[4]), int(sys.argv[5]), sys.argv[6] == "1"
     vpp = int(sys.argv[7]) if len(sys.argv) > 7 and sys.argv[7] != "0" else None
-    parallel = ParallelConfig(tp=tp, pp=pp, vpp=vpp, use_distributed_optimizer=distopt)
+    sequence_parallel = len(sys.argv) > 8 and sys.argv[8] == "1"
+    parallel = ParallelConfig(tp=tp, pp=pp, vpp=vpp, use_distributed_optimizer=distopt,
+                              sequence_parallel=sequence_parallel)
     model_cfg = ModelConfig(
         num_layers=4, hidden_size=32, ffn_hidden_size=64, num_attention_heads=4, num_query_groups=2,
         vocab_size=VOCAB, max_position_embeddings=64,

@@ -64,11 +64,25 @@ def passes(models, exp, packed: bool):
         for p in (p for c in models[name] for p in c.parameters()):
             p.grad = None
         stats = reduce_stats(run_schedule(models[name], mbs, step))
+        sum_sequence_parallel_grads(models[name])
         out[f"{name}_loss"] = stats[f"{name}_loss"]
         out[f"{name}_grads"] = {f"{i}.{n}": p.grad.clone() for i, c in enumerate(models[name])
                                 for n, p in c.named_parameters() if p.grad is not None}
     packing.configure(False)
     return out
+
+
+def sum_sequence_parallel_grads(chunks):
+    """Under sequence parallelism a norm weight's gradient on a TP rank covers its slice of the sequence only;
+    Megatron's finalize_model_grads (which the trainer runs, on its DDP-wrapped models) sums the weights marked
+    `sequence_parallel` over the TP group. The same sum here, on these bare models."""
+    from megatron.core import parallel_state as ps
+
+    if not SEQUENCE_PARALLEL:
+        return
+    for p in (p for c in chunks for p in c.parameters()):
+        if getattr(p, "sequence_parallel", False) and p.grad is not None:
+            torch.distributed.all_reduce(p.grad, group=ps.get_tensor_model_parallel_group())
 
 
 def packing_multiple():
