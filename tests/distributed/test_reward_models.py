@@ -2,11 +2,12 @@
 word-level policy), and a critic of another size, on 2 ranks.
 
 The reward model (3 layers, hidden 96, 6 heads / 3 key/value heads: no TP or PP of 2 divides it) scores at its own
-inference layout (ppo.inference_tp=1, or ppo.reward_inference_tp=1 beside a reference at TP=2); the policy trains at TP=1 x DP=2, TP=2 and PP=2, the critic (2 layers,
-hidden 48) beside it. Every held-out sample's in-PPO reward score equals the reward model scoring the same text
-directly, rendered by the preference loader (what stage 2 trains on), within fp32 batching noise (one row at a
-time against padded micro-batches: up to ~6e-6 on this CPU), and bit for bit where the direct scorer batches the
-rows as a 1-rank run does; a resumed run is bit-identical.
+inference layout (ppo.inference_tp=1, or ppo.reward_inference_tp=1 beside a reference at TP=2); the policy trains at
+TP=1 x DP=2, TP=2 and PP=2 (and on 1 rank), the critic (2 layers, hidden 48) beside it. Every held-out sample's
+in-PPO reward score equals the reward model scoring the same text directly, rendered by the preference loader (what
+stage 2 trains on), within fp32 batching noise (one row at a time against micro-batches: up to ~6e-6 on this CPU),
+and bit for bit where the direct scorer batches the rows as the run's inference layout does (policy at TP=2, PP=2
+and on 1 rank); a resumed run is bit-identical.
 """
 
 import json
@@ -51,32 +52,38 @@ def _ppo(own, run_dir, nproc=2, **extra):
     return torchrun(CLI, "ppo", *_args(settings), nproc=nproc, timeout=600)
 
 
-def _scores_equal_direct(own, run_dir, tmp_path, batch=None):
+def _scores_equal_direct(own, run_dir, tmp_path, batch=None, packed=False):
     """The in-PPO scores of run_dir's samples against the reward model scoring their text directly: within
-    BATCHING_NOISE one row at a time, or bit for bit batched as the run batched them (`batch` rows)."""
+    BATCHING_NOISE one row at a time, or bit for bit batched as the run batched them (`batch` rows, `packed`)."""
     d, reward_tok = own
     samples = run_dir / "samples.jsonl"
-    out = tmp_path / f"{run_dir.name}_direct.json"
-    torchrun("own_models.py", "score", d, reward_tok, samples, out, *([batch] if batch else []), nproc=1)
+    out = tmp_path / f"{run_dir.name}_direct_{batch}.json"
+    how = [batch, *(["packed"] if packed else [])] if batch else []
+    torchrun("own_models.py", "score", d, reward_tok, samples, out, *how, nproc=1)
     direct = json.loads(out.read_text())
     in_ppo = [json.loads(line)["rm_score"] for line in samples.read_text().splitlines()]
     assert len(in_ppo) == len(direct["scores"]) >= 16
     worst = max(abs(a - b) for a, b in zip(in_ppo, direct["scores"]))
     assert worst <= (0.0 if batch else BATCHING_NOISE), (worst, in_ppo, direct["scores"])
     assert len(set(in_ppo)) > len(in_ppo) // 2  # the rows were scored, not a constant
+    assert not packed or direct["packed_microbatches"] > 0  # the packed path is among those compared
     return direct["ended"]
 
 
-@pytest.mark.parametrize("layout", [
-    {"parallel.tp": 1},
-    {"parallel.tp": 2, "ppo.inference_tp": 2, "ppo.reward_inference_tp": 1},  # reference at TP=2, reward at TP=1
-    {"parallel.pp": 2}], ids=["tp1_dp2", "tp2", "pp2"])
-def test_a_reward_model_of_its_own_size_and_tokenizer_scores_as_it_would_directly(own, tmp_path, layout):
+@pytest.mark.parametrize("layout, exact", [
+    ({"parallel.tp": 1}, False),  # the reward model scores in the training layout (TP=1 x DP=2), as one step
+    # The reward model at TP=1 x DP=2 beside a policy at TP=2 or PP=2 (DP=1): each of its ranks scores 4 of an
+    # eval's 8 rows (all of them in samples.jsonl) as one micro-batch of its own width, packed where that pays.
+    ({"parallel.tp": 2, "ppo.inference_tp": 2, "ppo.reward_inference_tp": 1, "ppo.eval_prompts": 8}, True),
+    ({"parallel.pp": 2, "ppo.eval_prompts": 8}, True)], ids=["tp1_dp2", "tp2", "pp2"])
+def test_a_reward_model_of_its_own_size_and_tokenizer_scores_as_it_would_directly(own, tmp_path, layout, exact):
     run = tmp_path / "ppo"
     proc = _ppo(own, run, **layout)
     assert "ppo: trained iterations 1-2 of 2" in proc.stdout, proc.stdout[-3000:]
     ended = _scores_equal_direct(own, run, tmp_path)
     assert any(ended) and not all(ended)  # finished (EOS rendered as the reward model's) and cut responses
+    if exact:  # the direct scorer batching and packing the rows as the run did: bit for bit
+        _scores_equal_direct(own, run, tmp_path, batch=4, packed=True)
     by_step = rows(run)
     for step in (1, 2):
         assert by_step[step]["time/retokenize"] > 0 and by_step[step]["ppo/reward_truncated_fraction"] == 0.0
@@ -99,11 +106,12 @@ def test_such_a_run_resumes_bit_identically(own, tmp_path):
 
 
 def test_the_in_ppo_score_equals_the_direct_score_bit_for_bit(own, tmp_path):
-    """One rank, the reward model in its inference layout: each evaluation's 8 rows are one batch there, right-padded
-    to the widest and run 4 (train.micro_batch_size) at a time; the direct scorer batches the rendered text alike.
-    Padded (train.packing=false): packed rows are another GEMM shape, equal to padded within 1e-6 (test_packing)."""
+    """One rank, the reward model in its inference layout: each evaluation's 8 rows are run 4 (train.micro_batch_size)
+    at a time, each micro-batch right-padded to its widest and packed where that pays (packed and padded are other
+    GEMM shapes: within 1e-6 of each other, test_packing); the direct scorer batches and packs the rendered text
+    alike."""
     run = tmp_path / "one_rank"
     _ppo(own, run, nproc=1, **{"ppo.iterations": 1, "ppo.eval_prompts": 8, "ppo.rollout_batch_size": 8,
-                               "checkpoint.save_interval": 0, "train.packing": "false"})
-    ended = _scores_equal_direct(own, run, tmp_path, batch=4)
+                               "checkpoint.save_interval": 0})
+    ended = _scores_equal_direct(own, run, tmp_path, batch=4, packed=True)
     assert any(ended) and not all(ended)

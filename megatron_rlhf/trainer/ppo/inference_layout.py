@@ -56,6 +56,8 @@ class InferenceModel:
         from megatron_rlhf.trainer.ppo.experience import per_response_token, response_rows
         from megatron_rlhf.trainer.step import model_forward
 
+        if self.head == "scalar":  # its own widest row, whatever the rows gathered beside it on other ranks
+            mb["input_ids"] = mb["input_ids"][:, : int(mb["lengths"].max())]
         mb = on_device_of(self.model, mb)
         width = packing.packed_width(mb["lengths"], self.layout.tp)
         if packing.enabled() and packing.worth_packing(mb["input_ids"].numel(), width):  # as the training layout packs

@@ -5,11 +5,13 @@ Usage:
         tokenizer, 4 layers x hidden 64), reward/ (REWARD_TOKENIZER's vocabulary, 3 layers x hidden 96, 6 heads,
         3 key/value heads: a shape that divides no TP or PP of 2), value/ (the policy's tokenizer, 2 layers x
         hidden 48); each with its model_config.json and the fingerprint of its tokenizer.
-    own_models.py score DIR REWARD_TOKENIZER SAMPLES OUT [BATCH]   (1 rank) the reward model scoring each sample of
-        a samples.jsonl directly: its prompt and response text rendered by the preference loader (the response's
-        trailing <eos> is the end of a finished answer), at TP=1 -> OUT (JSON: scores, ended). Without BATCH one row
-        at a time; with BATCH the rows of each evaluation (one iteration's samples) right-padded to their widest and
-        run BATCH rows at a time, as a 1-rank PPO run's inference layout batches them.
+    own_models.py score DIR REWARD_TOKENIZER SAMPLES OUT [BATCH [packed]]   (1 rank) the reward model scoring each
+        sample of a samples.jsonl directly: its prompt and response text rendered by the preference loader (the
+        response's trailing <eos> is the end of a finished answer), at TP=1 -> OUT (JSON: scores, ended). Without
+        BATCH one row at a time; with BATCH the rows of each evaluation (one iteration's samples) run BATCH rows at a
+        time, each micro-batch right-padded to its widest, as the reward model's inference layout batches them
+        (trainer/ppo/inference_layout.py: the iteration's rows in order, split over its DP ranks in blocks that
+        are whole micro-batches here); `packed`: each micro-batch packed where the run packs it.
 """
 
 import json
@@ -23,11 +25,13 @@ from megatron_rlhf.config import model_file
 from megatron_rlhf.config.schema import DataConfig
 from megatron_rlhf.data import dataset as D
 from megatron_rlhf.data import tokenizer as T
+from megatron_rlhf.models import packing
 from megatron_rlhf.models.build import build_model
 from megatron_rlhf.models.spec import ModelConfig
 from megatron_rlhf.parallel import init
 from megatron_rlhf.parallel.layout import ParallelConfig
 from megatron_rlhf.tasks import sort_digits
+from megatron_rlhf.trainer.step import model_forward
 
 POLICY = dict(num_layers=4, hidden_size=64, ffn_hidden_size=128, num_attention_heads=4, num_query_groups=2,
               vocab_size=17, max_position_embeddings=32)
@@ -60,7 +64,7 @@ def make(d: Path, reward_tokenizer: str) -> None:
 
 
 @torch.no_grad()
-def score(d: Path, reward_tokenizer: str, samples: Path, out: Path, batch=None) -> None:
+def score(d: Path, reward_tokenizer: str, samples: Path, out: Path, batch=None, packed=False) -> None:
     reward_tok = T.load_tokenizer(reward_tokenizer)
     [model] = ckpt.load_model(d / "reward", reward_arch(reward_tok), ParallelConfig(), "reward", "scalar")
     model.eval()
@@ -82,18 +86,23 @@ def score(d: Path, reward_tokenizer: str, samples: Path, out: Path, batch=None) 
         scores = [float(model(torch.tensor([ids]), torch.arange(len(ids)).unsqueeze(0), None)[0, -1, 0])
                   for ids in sequences]
     else:
-        scores = []
+        scores, packed_microbatches = [], 0
         for it in sorted({r["iteration"] for r in rows}):
             mine = [ids for ids, r in zip(sequences, rows) if r["iteration"] == it]
-            width = max(len(ids) for ids in mine)
-            x = torch.zeros(len(mine), width, dtype=torch.long)
-            for i, ids in enumerate(mine):
-                x[i, : len(ids)] = torch.tensor(ids)
             for s in range(0, len(mine), batch):
-                part = x[s: s + batch]
-                output = model(part, torch.arange(width).unsqueeze(0).expand(len(part), -1), None)[:, :, 0]
-                scores += [float(output[i, len(mine[s + i]) - 1]) for i in range(len(part))]
-    out.write_text(json.dumps({"scores": scores, "ended": [r["response"].endswith(EOS_TEXT) for r in rows]}))
+                part = mine[s: s + batch]
+                x = torch.zeros(len(part), max(len(ids) for ids in part), dtype=torch.long)
+                for i, ids in enumerate(part):
+                    x[i, : len(ids)] = torch.tensor(ids)
+                mb = {"input_ids": x, "lengths": torch.tensor([len(ids) for ids in part])}
+                pack_width = packing.packed_width(mb["lengths"], 1)
+                if packed and packing.worth_packing(mb["input_ids"].numel(), pack_width):  # as the run packs
+                    mb["pack_width"] = pack_width
+                    packed_microbatches += 1
+                output = model_forward(model, mb)[:, :, 0]
+                scores += [float(output[i, len(mine[s + i]) - 1]) for i in range(len(mb["input_ids"]))]
+    out.write_text(json.dumps({"scores": scores, "ended": [r["response"].endswith(EOS_TEXT) for r in rows],
+                               "packed_microbatches": packed_microbatches if batch else 0}))
 
 
 def main():
@@ -102,7 +111,8 @@ def main():
     if mode == "make":
         make(d, reward_tokenizer)
     else:
-        score(d, reward_tokenizer, Path(sys.argv[4]), Path(sys.argv[5]), int(sys.argv[6]) if len(sys.argv) > 6 else None)
+        score(d, reward_tokenizer, Path(sys.argv[4]), Path(sys.argv[5]), int(sys.argv[6]) if len(sys.argv) > 6 else None,
+              len(sys.argv) > 7 and sys.argv[7] == "packed")
     init.destroy()
 
 
