@@ -233,11 +233,10 @@ def check_ppo_layout(cfg, dp_size: int) -> None:
         raise ConfigError(
             f"ppo.minibatch_size={p.minibatch_size} is not divisible by data-parallel size * train.micro_batch_size "
             f"= {dp_size}*{mbs}: change one of them")
-    if cfg.parallel.cp > 1 or cfg.parallel.sequence_parallel:
+    if cfg.parallel.cp > 1:
         raise ConfigError(
-            "the PPO stage supports tp, pp (and vpp) and dp; got "
-            f"parallel.cp={cfg.parallel.cp}, sequence_parallel={cfg.parallel.sequence_parallel}: use cp=1 and no "
-            "sequence_parallel")
+            f"the PPO stage supports tp (with sequence parallelism), pp (and vpp) and dp; got parallel.cp="
+            f"{cfg.parallel.cp}: use cp=1")
     from megatron_rlhf.config.rollout import check_rollout
 
     # Generation runs in its own tp-only layout (rollout/hybrid.py), so any pp trains.

@@ -65,6 +65,22 @@ def configure(enabled: bool, sequence_multiple: int = 1, min_saving: float = 0.1
     _settings.update(enabled=bool(enabled), multiple=max(1, int(sequence_multiple)), min_saving=float(min_saving))
 
 
+def pad_widths(microbatches: List[dict], same_width: bool = False) -> List[dict]:
+    """Padded micro-batches with input_ids [b, s] right-padded (zeros) to the widths the layout needs: s a multiple
+    of `sequence_multiple()` (sequence parallelism splits the sequence over the TP ranks), and with `same_width`
+    (a pipeline: stages exchange activations of one shape) one s for all. Right padding changes no causal output
+    at a real position. Micro-batches that change are new dicts; their other tensors are shared."""
+    multiple = sequence_multiple()
+    widths = [mb["input_ids"].shape[1] for mb in microbatches]
+    if same_width and widths:
+        widths = [max(widths)] * len(widths)
+    out = []
+    for mb, width in zip(microbatches, widths):
+        grow = -(-width // multiple) * multiple - mb["input_ids"].shape[1]
+        out.append({**mb, "input_ids": torch.nn.functional.pad(mb["input_ids"], (0, grow))} if grow else mb)
+    return out
+
+
 def enabled() -> bool:
     return _settings["enabled"]
 

@@ -206,7 +206,8 @@ def _plan_ppo(cfg, cluster, policy_arch, train_layout, trained_kw, frozen_kw, ac
     gen_layout = Layout(gen_tp, 1)
     gen_dp = world // gen_tp
     policy.kv_cache = kv_cache_bytes(policy_arch, gen_tp, -(-ppo.rollout_batch_size // gen_dp), seq)  # ceil: redistribute.py
-    own_layout = gen_layout != Layout(p.tp, p.pp, p.vpp)
+    # sequence parallelism: a decode step cannot split its one token, so generation gets its own copy (rollout/layout.py)
+    own_layout = gen_layout != Layout(p.tp, p.pp, p.vpp) or p.sequence_parallel
     copy_generates = own_layout or cfg.rollout.engine == "vllm"
     if copy_generates:
         policy.generation_weights = params_per_gpu(policy_arch, gen_layout) * dtype_bytes(policy_arch.params_dtype)
@@ -284,8 +285,8 @@ def _candidates(cfg, stage: str, cluster: Cluster):
     if stage == "ppo" and not cfg.ppo.offload_frozen and not cluster.cpu:
         yield "ppo.offload_frozen=true", {"ppo.offload_frozen": True}, None
     if p.tp * 2 <= cluster.gpus_per_node:
-        # the PPO stage refuses SP (yet), and so does DPO's sampled evaluation
-        no_sp = stage == "ppo" or (stage == "dpo" and cfg.dpo.eval_prompts_path is not None)
+        # DPO's sampled evaluation refuses SP (the Megatron sampler decodes the training layout)
+        no_sp = stage == "dpo" and cfg.dpo.eval_prompts_path is not None
         sp = {} if no_sp else {"parallel.sequence_parallel": True}
         yield f"parallel.tp={p.tp * 2}", {"parallel.tp": p.tp * 2, **sp}, None
     yield f"parallel.pp={p.pp * 2}", {"parallel.pp": p.pp * 2}, None

@@ -74,8 +74,10 @@ def test_dpo_raises_true_reward_resumes_exactly_and_tp2_online_matches(base, tmp
         assert b[step] == a[step], step
     assert json.loads((resumed / "summary.json").read_text()) == summary
 
-    torchrun(CLI, *dpo_args(base, pairs, tp2, **{"parallel.tp": 2, "dpo.reference_logprobs": "online",
-                                                 "dpo.eval_prompts_path": "null"}), nproc=2, timeout=600)
+    # TP=2 with sequence parallelism (the other stages' TP=2 runs are without it) and the reference online
+    torchrun(CLI, *dpo_args(base, pairs, tp2, **{"parallel.tp": 2, "parallel.sequence_parallel": "true",
+                                                 "dpo.reference_logprobs": "online", "dpo.eval_prompts_path": "null"}),
+             nproc=2, timeout=600)
     c = rows(tp2)
     for step in a:
         for key, value in a[step].items():

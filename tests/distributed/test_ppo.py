@@ -92,7 +92,8 @@ def test_ppo_raises_the_true_reward_and_iteration_one_is_exact(base, tmp_path):
 
 def test_exact_resume_and_tp2_match_dp2(base, tmp_path):
     """The resumed pair runs the distributed optimizer (as the 8B and 70B recipes do): policy and value save
-    their optimizers' shards into one checkpoint. TP=2 and PP=2 run Megatron's plain optimizer."""
+    their optimizers' shards into one checkpoint. TP=2 (with and without sequence parallelism) and PP=2 run
+    Megatron's plain optimizer."""
     straight, resumed, tp2 = tmp_path / "straight", tmp_path / "resumed", tmp_path / "tp2"
     warm = {"ppo.value_warmup_iterations": 1, "ppo.iterations": 3}  # iteration 1 trains the value model only
     distopt = {"parallel.use_distributed_optimizer": "true"}
@@ -125,6 +126,12 @@ def test_exact_resume_and_tp2_match_dp2(base, tmp_path):
 
     torchrun(CLI, *ppo_args(base, tp2, **warm, **{"parallel.tp": 2}), nproc=2, timeout=600)
     assert_same_metrics(a, rows(tp2))
+    # TP=2 with sequence parallelism (the generation copy runs without it, rollout/hybrid.py), padded: every
+    # micro-batch's width rounds up to the TP size (packed, its passes are test_packing's). The same metrics.
+    tp2_sp = tmp_path / "tp2_sp"
+    torchrun(CLI, *ppo_args(base, tp2_sp, **warm, **{"parallel.tp": 2, "parallel.sequence_parallel": "true",
+                                                    "train.packing": "false"}), nproc=2, timeout=600)
+    assert_same_metrics(a, rows(tp2_sp))
     # PP=2 trains while generating at TP=1 x DP=2 (rollout/hybrid.py swaps the weights every rollout) and
     # scoring with reference and reward at ppo.inference_tp=1 (PP=1, DP=2); its first 2 iterations (value
     # warm-up, then a policy step, and an eval) match too.

@@ -104,6 +104,11 @@ def test_llama3_8b_recipe_by_hand():
     assert m["reference"].weights == policy * 2
     assert plan.world == 8 and plan.dp == 2 and plan.fits
     assert plan.total < 76 * GIB
+    # It generates on the training weights (rollout.tp=4, no SP); with sequence parallelism a decode step cannot
+    # split its one token, so generation needs a copy of its own.
+    assert m["policy"].generation_weights == 0
+    sp = {x.name: x for x in _plan(R8, C8, "parallel.sequence_parallel=true").models}
+    assert sp["policy"].generation_weights == policy * 2
 
 
 def test_llama3_70b_recipe_by_hand():
@@ -200,7 +205,7 @@ def test_llama3_8b_dpo_recipe_by_hand():
     (["ppo.minibatch_size=66"], ConfigError, "ppo.minibatch_size=66 is not divisible by data-parallel size * train.micro_batch_size = 4*1"),
     # The PPO stage's own start-up checks (config/ppo.py check_ppo_layout): what the run refuses, the plan refuses.
     (["ppo.rollout_batch_size=522"], ConfigError, "ppo.rollout_batch_size=522 prompts do not split over 4 data-parallel ranks"),
-    (["parallel.sequence_parallel=true"], ConfigError, "the PPO stage supports tp, pp (and vpp) and dp"),
+    (["parallel.cp=2"], ConfigError, "the PPO stage supports tp (with sequence parallelism), pp (and vpp) and dp"),
     (["rollout.tp=3"], ConfigError, "rollout.tp=3 does not divide the world size 128"),
 ])
 def test_bad_layouts_give_one_line(overrides, error, fragment):

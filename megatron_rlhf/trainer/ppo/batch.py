@@ -86,7 +86,8 @@ class Experience:
 
         same_width: right-pad every micro-batch's input_ids to the widest one (pipeline stages exchange
         activations of one fixed shape; right padding changes no causal output at a real position).
-        None: only under pipeline parallelism, so pp=1 computes exactly what it did before.
+        None: only under pipeline parallelism, so pp=1 computes exactly what it did before. Under sequence
+        parallelism every width is a multiple of the TP size too (models/packing.py `pad_widths`).
         max_tokens (train.max_tokens_per_micro_batch): consecutive rows grouped by their tokens
         (data/collate.py `token_groups`; with packing on, by default up to micro_batch_size rows of the longest)."""
         out = []
@@ -98,13 +99,7 @@ class Experience:
             mb["response_index"] = part.response_index()
             mb["lengths"] = part.sequence_lengths  # what packing lays end to end (models/packing.py)
             out.append(mb)
-        if same_width is None:
-            same_width = _pipeline_parallel()
-        if same_width and out:
-            width = max(mb["input_ids"].shape[1] for mb in out)
-            for mb in out:
-                mb["input_ids"] = torch.nn.functional.pad(mb["input_ids"], (0, width - mb["input_ids"].shape[1]), value=0)
-        return out
+        return packing.pad_widths(out, _pipeline_parallel() if same_width is None else same_width)
 
 
 def _pipeline_parallel() -> bool:

@@ -22,7 +22,7 @@ from megatron_rlhf.algo import masked
 from megatron_rlhf.algo.correction import correction_weights
 from megatron_rlhf.algo.rewards import penalize_missing_eos, shaped_rewards
 from megatron_rlhf.trainer.ppo.batch import Experience
-from megatron_rlhf.models import heads
+from megatron_rlhf.models import heads, packing
 from megatron_rlhf.models.logit_rows import pick_rows
 from megatron_rlhf.models.logprobs import token_entropy, token_logprobs, token_logprobs_and_entropy
 from megatron_rlhf.parallel.device import on_device_of
@@ -57,8 +57,6 @@ def response_rows(mb: Batch) -> torch.Tensor:
     """[b, T]: the positions whose logits predict the response tokens, -1 after each response (no one reads
     them); with `logits_at`, the forward projects only these (models/logit_rows.py), packed only the real ones
     (step.model_forward). PPO-ptx micro-batches (no response) get None: every position."""
-    from megatron_rlhf.models import packing
-
     index = mb.get("response_index")
     if index is None or not packing.enabled():
         return index
@@ -195,10 +193,8 @@ def score_responses(reward_chunks, microbatches: List[Batch], frozen: Frozen) ->
     """Phase 2 alone: (normalised RM scores [B], scores [B] with -missing_eos_penalty where no EOS: the policy's
     own stop set, read from the policy micro-batches)."""
     rows = [(frozen.reward_rows or scoring_rows)(mb) for mb in microbatches]
-    if len(rows) > 1 and frozen.reward_rows is not None and pipeline_stages() > 1:  # one width through the pipe
-        width = max(r["input_ids"].shape[1] for r in rows)
-        rows = [{**r, "input_ids": torch.nn.functional.pad(r["input_ids"], (0, width - r["input_ids"].shape[1]))}
-                for r in rows]
+    if frozen.reward_rows is not None:  # rows of their own widths: one through a pipeline, multiples of TP under SP
+        rows = packing.pad_widths(rows, pipeline_stages() > 1)
     raw = torch.cat(forward_collect(reward_chunks, rows, last_token_scores))
     rm_scores = (raw - frozen.reward_mean) / frozen.reward_std
     return rm_scores, penalize_missing_eos(rm_scores, _ended(microbatches), -frozen.missing_eos_penalty)

@@ -49,7 +49,7 @@ class PtxBatches:
         masks = self.dataset[[int(i) for i in indices]]["loss_mask"]
         tokens = int(sum(sum(m[1:]) for m in masks))  # collate_sft shifts the mask by one (next-token targets)
         mbs = microbatches(self.dataset, mine, self.micro_batch_size, collate_sft, max_tokens=self.max_tokens,
-                           packed=packing.enabled(), pad_id=self.pad_id)
+                           packed=packing.enabled(), pad_id=self.pad_id, multiple_of=packing.sequence_multiple())
         return mbs, tokens
 
     def state_dict(self) -> dict:
