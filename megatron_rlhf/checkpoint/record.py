@@ -62,10 +62,11 @@ def check_tokenizer(step_dir: Path, current: Optional[dict], key: str) -> None:
         return
     if recorded.get("vocab") == current.get("vocab") and recorded.get("special") == current.get("special"):
         return
+    setting = current.get("setting", "tokenizer.path")  # the one that named `current` (run.expected_tokenizer)
     raise CheckpointError(
-        f"{key}: {step_dir} was trained with the tokenizer in '{recorded.get('path')}', and tokenizer.path "
+        f"{key}: {step_dir} was trained with the tokenizer in '{recorded.get('path')}', and {setting} "
         f"'{current.get('path')}' is another one ({_tokenizer_difference(recorded, current)}): the model would "
-        f"read token ids that mean other words; set tokenizer.path to '{recorded.get('path')}' (or a copy), or "
+        f"read token ids that mean other words; set {setting} to '{recorded.get('path')}' (or a copy), or "
         "tokenizer.allow_swap=true to swap tokenizers deliberately")
 
 

@@ -104,10 +104,14 @@ def configure_packing(cfg) -> None:
     packing.configure(cfg.train.packing and p.cp == 1, p.tp if p.sequence_parallel else 1)
 
 
-def expected_tokenizer(cfg, tokenizer) -> Optional[dict]:
+def expected_tokenizer(cfg, tokenizer, setting: str = "tokenizer.path") -> Optional[dict]:
     """The tokenizer fingerprint every checkpoint this run loads must match (`ckpt.check_tokenizer`);
-    None (no check) with tokenizer.allow_swap=true."""
-    return None if cfg.tokenizer.allow_swap else T.fingerprint(tokenizer)
+    None (no check) with tokenizer.allow_swap=true. `setting`: the one that names `tokenizer`, for the error
+    (`ppo.reward_tokenizer` for a reward model with a tokenizer of its own)."""
+    if cfg.tokenizer.allow_swap:
+        return None
+    found = T.fingerprint(tokenizer)
+    return found if setting == "tokenizer.path" else {**found, "setting": setting}
 
 
 def stage_of(cfg) -> str:
@@ -130,15 +134,16 @@ def _lock_run_dirs(cfg, rank0: bool) -> None:
 
 def build_frozen(cfg, ctx: RunContext, head: str, load: Optional[str], source_name: ckpt.Sources, *,
                  skip_head: bool = False, key: Optional[str] = None, model_cfg=None,
-                 tokenizer=None) -> List[torch.nn.Module]:
+                 tokenizer=None, tokenizer_setting: str = "tokenizer.path") -> List[torch.nn.Module]:
     """Model chunks in the training layout with weights from `load` (model `source_name` in it; `key`: the
     setting `load` came from, for errors). `model_cfg`: its architecture (default: the policy's, ctx.model_cfg);
-    `tokenizer`: the one its checkpoint must have been trained with (default: the run's, ctx.tokenizer)."""
+    `tokenizer`: the one its checkpoint must have been trained with (default: the run's, ctx.tokenizer), named
+    by `tokenizer_setting`."""
     model_cfg = model_cfg or ctx.model_cfg
     if not load:
         return build_model(model_cfg, cfg.parallel, head=head, fp8=cfg.fp8)
     return ckpt.load_model(load, model_cfg, cfg.parallel, source_name, head, fp8=cfg.fp8, skip_head=skip_head,
-                           key=key, tokenizer=expected_tokenizer(cfg, tokenizer or ctx.tokenizer))
+                           key=key, tokenizer=expected_tokenizer(cfg, tokenizer or ctx.tokenizer, tokenizer_setting))
 
 
 def build_trainable(cfg, ctx: RunContext, head: str, load: Optional[str], source_name: ckpt.Sources,

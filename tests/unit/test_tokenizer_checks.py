@@ -91,6 +91,11 @@ def test_every_model_a_stage_builds_is_checked_under_its_key(sft, tokenizers):
         build_frozen(cfg, ctx, "scalar", str(sft), "policy", key="ppo.value_load")
     ctx.tokenizer = tokenizers["copy"]
     build_frozen(cfg, ctx, "lm", str(sft), "policy")
+    # A reward model read with a tokenizer of its own: the error names the setting that gave that tokenizer
+    with pytest.raises(ckpt.CheckpointError, match=r"^ppo.reward_load: .*, and ppo.reward_tokenizer '.*' is another "
+                                                   r"one .* set ppo.reward_tokenizer to "):
+        build_frozen(cfg, ctx, "scalar", str(sft), "policy", key="ppo.reward_load", tokenizer=tokenizers["smaller"],
+                     tokenizer_setting="ppo.reward_tokenizer")
 
 
 def test_checkpoints_without_a_fingerprint_load_as_before(world, tokenizers, tmp_path):

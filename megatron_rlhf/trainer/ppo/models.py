@@ -136,12 +136,13 @@ def build_ppo_models(cfg, ctx: RunContext, total_steps: int, reward_tokenizer=No
         reference = layouts.build(p.inference_tp, arch["reference"], "lm", load, "policy",
                                   tokenizer=expected_tokenizer(cfg, ctx.tokenizer), key=key)
     reward_tp = reward_inference_tp(p)
+    named_by = "tokenizer.path" if reward_tokenizer is None else "ppo.reward_tokenizer"
     if reward_tp is None:
         reward = freeze(build_frozen(cfg, ctx, "scalar", p.reward_load, "reward", model_cfg=arch["reward"],
-                                     tokenizer=reward_tokenizer))
+                                     tokenizer=reward_tokenizer, tokenizer_setting=named_by))
     else:
         reward = layouts.build(reward_tp, arch["reward"], "scalar", p.reward_load, "reward",
-                               tokenizer=expected_tokenizer(cfg, reward_tokenizer or ctx.tokenizer))
+                               tokenizer=expected_tokenizer(cfg, reward_tokenizer or ctx.tokenizer, named_by))
     mean, std = 0.0, 1.0
     if p.normalize_reward:
         cal = reward_calibration(p.reward_load)
